@@ -1,0 +1,184 @@
+"""The one statistics core of normkit.
+
+Every normalization family (batch, layer, RMS, group, instance) and every tool that
+pools statistics (precise BN statistics, synchronized BN, the Standardizer) computes
+its moments here, so there is exactly one place where numerical care lives.
+
+Numerics
+--------
+* Statistics are accumulated in at least float32: float16 and bfloat16 inputs are
+  up-cast, float64 stays float64 (:func:`compute_dtype`).
+* The variance never comes from ``E[x^2] - E[x]^2``. :func:`moments` uses a
+  *compensated shift*: a first mean ``mean_hi`` is computed in the compute dtype,
+  the input is shifted by it (exact for values within a factor of two of the mean,
+  by Sterbenz' lemma), and the mean and variance of the small residual give the
+  correction ``mean_lo`` and the variance. The pair ``(mean_hi, mean_lo)`` represents
+  the mean to roughly twice the working precision, so ``x - mean`` keeps its digits
+  even when the data sit at an offset of 1e5 with unit spread, where a plain float32
+  mean already carries an error of ~1e-3.
+* Pooling of per-chunk statistics uses the count-weighted parallel merge of Chan,
+  Golub and LeVeque (:func:`merge_moments`).
+
+All functions here are built from differentiable PyTorch operations, so the
+reference implementations can differentiate through them with autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Moments",
+    "compute_dtype",
+    "upcast",
+    "reduced_count",
+    "moments",
+    "mean_square",
+    "unbiased_var",
+    "merge_moments",
+    "update_running_",
+]
+
+
+class Moments(NamedTuple):
+    """First and second central moments over some dimensions (``keepdim`` shapes).
+
+    ``mean = mean_hi + mean_lo`` (a compensated pair), ``var`` is the biased
+    (population) variance, and ``shifted = x - mean_hi`` is the input shifted by the
+    leading part of the mean, so ``shifted - mean_lo`` is the centered input.
+    """
+
+    mean_hi: Tensor
+    mean_lo: Tensor
+    var: Tensor
+    shifted: Tensor
+
+    @property
+    def mean(self) -> Tensor:
+        """The mean as one tensor (rounded to the compute dtype)."""
+        return self.mean_hi + self.mean_lo
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Return the dtype statistics are accumulated in for inputs of ``dtype``.
+
+    float64 stays float64; every other floating dtype computes in float32.
+
+    Example:
+        >>> compute_dtype(torch.bfloat16)
+        torch.float32
+        >>> compute_dtype(torch.float64)
+        torch.float64
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def upcast(x: Tensor) -> Tensor:
+    """Return ``x`` in its compute dtype (no copy when it already is).
+
+    Example:
+        >>> upcast(torch.ones(2, dtype=torch.float16)).dtype
+        torch.float32
+    """
+    target = compute_dtype(x.dtype)
+    return x if x.dtype == target else x.to(target)
+
+
+def reduced_count(shape: Sequence[int], dims: Sequence[int]) -> int:
+    """Number of elements each statistic is computed over.
+
+    Example:
+        >>> reduced_count((8, 3, 5, 5), (0, 2, 3))
+        200
+    """
+    count = 1
+    for d in dims:
+        count *= shape[d]
+    return count
+
+
+def moments(x: Tensor, dims: Sequence[int]) -> Moments:
+    """Compensated mean and biased variance of ``x`` over ``dims`` (keepdim shapes).
+
+    ``x`` should already be in its compute dtype (see :func:`upcast`).
+
+    Example:
+        >>> x = torch.tensor([[1e5 + 1.0, 1e5 - 1.0, 1e5 + 3.0, 1e5 - 3.0]])
+        >>> m = moments(x, (1,))
+        >>> float(m.var), float(m.mean_hi + m.mean_lo)
+        (5.0, 100000.0)
+    """
+    dims = tuple(dims)
+    mean_hi = x.mean(dims, keepdim=True)
+    shifted = x - mean_hi
+    var, mean_lo = torch.var_mean(shifted, dims, correction=0, keepdim=True)
+    return Moments(mean_hi, mean_lo, var, shifted)
+
+
+def mean_square(x: Tensor, dims: Sequence[int]) -> Tensor:
+    """Mean of ``x**2`` over ``dims`` (keepdim), the statistic of RMSNorm.
+
+    Example:
+        >>> mean_square(torch.tensor([[3.0, 4.0]]), (1,))
+        tensor([[12.5000]])
+    """
+    return x.square().mean(tuple(dims), keepdim=True)
+
+
+def unbiased_var(var: Tensor, count: int) -> Tensor:
+    """Turn a biased variance over ``count`` values into the unbiased one.
+
+    With a single value the unbiased variance is undefined; like torch, the result
+    is then ``inf``/``nan`` rather than a silent zero.
+
+    Example:
+        >>> unbiased_var(torch.tensor([2.0]), 4)
+        tensor([2.6667])
+    """
+    if count > 1:
+        return var * (count / (count - 1))
+    return var * float("inf") if count == 1 else var * float("nan")
+
+
+def merge_moments(
+    count_a: Tensor, mean_a: Tensor, m2_a: Tensor,
+    count_b: Tensor, mean_b: Tensor, m2_b: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Merge two sets of (count, mean, M2) exactly (Chan, Golub & LeVeque 1979).
+
+    ``M2`` is the sum of squared deviations from the mean, i.e. ``count * var``.
+    Counts may differ per feature and may be zero. The result equals the moments of
+    the concatenated data, whatever the split.
+
+    Example:
+        >>> a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])
+        >>> n, mean, m2 = merge_moments(
+        ...     torch.tensor(2.0), a.mean(), ((a - a.mean()) ** 2).sum(),
+        ...     torch.tensor(3.0), b.mean(), ((b - b.mean()) ** 2).sum())
+        >>> float(n), float(mean), float(m2 / n)
+        (5.0, 3.0, 2.0)
+    """
+    count = count_a + count_b
+    safe = torch.where(count > 0, count, torch.ones_like(count))
+    delta = mean_b - mean_a
+    weight_b = count_b / safe
+    mean = mean_a + delta * weight_b
+    m2 = m2_a + m2_b + delta.square() * count_a * weight_b
+    return count, mean, m2
+
+
+@torch.no_grad()
+def update_running_(running: Tensor, value: Tensor, momentum: float) -> None:
+    """PyTorch's running-average update in place: ``(1 - m) * running + m * value``.
+
+    Example:
+        >>> r = torch.zeros(2)
+        >>> update_running_(r, torch.tensor([1.0, 2.0]), 0.1)
+        >>> r
+        tensor([0.1000, 0.2000])
+    """
+    running.mul_(1.0 - momentum).add_(value.to(running.dtype), alpha=momentum)

@@ -1,0 +1,369 @@
+"""Functional normalization, signature-compatible with ``torch.nn.functional``.
+
+Each function takes the same positional and keyword arguments as its
+``torch.nn.functional`` namesake, plus a keyword-only ``backend`` (``"auto"``,
+``"eager"`` or ``"reference"``). Statistics are computed by :mod:`normkit._stats`
+in float32 (float64 for float64 input) with a compensated mean, so inputs with a
+large common offset keep their precision; the output has the input's dtype and
+memory format.
+
+NaN and Inf propagate exactly as in torch: a NaN or Inf anywhere in a normalized
+group makes that group's statistics, and so every output of the group, NaN. They
+are never replaced silently.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import _stats
+from .norms._core import affine_view, check_floating, normalize, scale_shift, shape_str
+
+__all__ = [
+    "batch_norm",
+    "instance_norm",
+    "layer_norm",
+    "layer_norm2d",
+    "rms_norm",
+    "group_norm",
+]
+
+
+def _channel_view(x: Tensor) -> tuple[int, ...]:
+    """Broadcast shape of a per-channel parameter for ``(N, C, *)`` input."""
+    return (1, x.shape[1]) + (1,) * (x.dim() - 2)
+
+
+def _check_channels_first(x: Tensor, who: str) -> None:
+    check_floating(x, who)
+    if x.dim() < 2:
+        raise ValueError(
+            f"{who} expected input of shape (N, C, *) with at least 2 dimensions, "
+            f"got a {x.dim()}D input of shape {shape_str(x)}"
+        )
+
+
+def _check_per_channel(x: Tensor, who: str, **tensors: Tensor | None) -> None:
+    channels = x.shape[1]
+    for name, t in tensors.items():
+        if t is not None and t.numel() != channels:
+            raise ValueError(
+                f"{who} expected input with {t.numel()} channels (dim 1) to match "
+                f"{name} of shape {shape_str(t)}, got input of shape {shape_str(x)}"
+            )
+
+
+def _empty_result(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    """The (empty) output for an input with no elements, still connected to autograd."""
+    y = x
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return (y if y is not x else x.clone()).to(x.dtype)
+
+
+def batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    r"""Batch Normalization (Ioffe & Szegedy 2015) over the channel dim of ``(N, C, *)``.
+
+    .. math:: y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \gamma + \beta
+
+    In training the batch statistics (over ``N`` and every spatial dim) normalize the
+    input and update ``running_mean``/``running_var`` in place with
+    ``(1 - momentum) * running + momentum * batch``; ``running_var`` receives the
+    *unbiased* batch variance, as in torch. Otherwise the running statistics are used.
+    An empty batch normalizes to an empty output and leaves the running statistics
+    untouched.
+
+    Args:
+        input: ``(N, C)`` or ``(N, C, *)``.
+        running_mean, running_var: ``(C,)`` buffers or ``None``.
+        weight, bias: ``(C,)`` affine parameters or ``None``.
+        training: use (and update) batch statistics. Default: ``False``.
+        momentum: running-average factor. Default: ``0.1``.
+        eps: added to the variance. Default: ``1e-5``.
+        backend: ``"auto"``, ``"eager"`` or ``"reference"``.
+
+    Example:
+        >>> x = torch.randn(8, 3, 4, 4)
+        >>> rm, rv = torch.zeros(3), torch.ones(3)
+        >>> y = batch_norm(x, rm, rv, training=True)
+        >>> y.shape, bool(rm.abs().sum() > 0)
+        (torch.Size([8, 3, 4, 4]), True)
+    """
+    who = "batch_norm"
+    _check_channels_first(input, who)
+    _check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
+                       weight=weight, bias=bias)
+    view = _channel_view(input)
+    w, b = affine_view(weight, view), affine_view(bias, view)
+    if not training:
+        if running_mean is None or running_var is None:
+            raise ValueError(
+                f"{who} expected running_mean and running_var tensors when "
+                f"training=False, got running_mean={'None' if running_mean is None else 'a tensor'}"
+                f" and running_var={'None' if running_var is None else 'a tensor'}"
+            )
+        return scale_shift(input, running_mean.view(view), running_var.view(view), w, b, eps)
+    dims = (0, *range(2, input.dim()))
+    count = _stats.reduced_count(input.shape, dims)
+    if count == 1:
+        raise ValueError(
+            "Expected more than 1 value per channel when training, got input size "
+            f"{shape_str(input)} (batch statistics of a single value are undefined; use "
+            "a larger batch, or eval mode)"
+        )
+    if input.numel() == 0:
+        return _empty_result(input, w, b)
+    y, mean, var = normalize(input, dims, w, b, eps, backend=backend)
+    if running_mean is not None:
+        _stats.update_running_(running_mean, mean.view(-1), momentum)
+    if running_var is not None:
+        _stats.update_running_(running_var, _stats.unbiased_var(var.view(-1), count), momentum)
+    return y
+
+
+def instance_norm(
+    input: Tensor,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    r"""Instance Normalization (Ulyanov et al. 2016): per sample and channel of ``(N, C, *)``.
+
+    Statistics are taken over the spatial dims of each ``(n, c)`` slice. With
+    ``use_input_stats`` and running buffers, the buffers are updated with the
+    batch-averaged instance mean and unbiased variance (torch's rule). An empty batch
+    leaves them untouched (torch writes NaN there; normkit never corrupts saved state).
+
+    Args:
+        input: ``(N, C, *)`` with at least one spatial dim.
+        running_mean, running_var: ``(C,)`` buffers or ``None``.
+        weight, bias: ``(C,)`` affine parameters or ``None``.
+        use_input_stats: normalize with the instance statistics. Default: ``True``.
+        momentum: running-average factor. Default: ``0.1``.
+        eps: added to the variance. Default: ``1e-5``.
+        backend: ``"auto"``, ``"eager"`` or ``"reference"``.
+
+    Example:
+        >>> y = instance_norm(torch.randn(2, 3, 5, 5))
+        >>> torch.allclose(y.mean((2, 3)), torch.zeros(2, 3), atol=1e-5)
+        True
+    """
+    who = "instance_norm"
+    _check_channels_first(input, who)
+    if input.dim() < 3:
+        raise ValueError(
+            f"{who} expected input of shape (N, C, *) with at least one spatial "
+            f"dimension, got a {input.dim()}D input of shape {shape_str(input)}"
+        )
+    _check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
+                       weight=weight, bias=bias)
+    view = _channel_view(input)
+    w, b = affine_view(weight, view), affine_view(bias, view)
+    if not use_input_stats:
+        if running_mean is None or running_var is None:
+            raise ValueError(
+                f"{who} expected running_mean and running_var when use_input_stats=False, "
+                "got None"
+            )
+        return scale_shift(input, running_mean.view(view), running_var.view(view), w, b, eps)
+    dims = tuple(range(2, input.dim()))
+    count = _stats.reduced_count(input.shape, dims)
+    if count == 1:
+        raise ValueError(
+            "Expected more than 1 spatial element when training, got input size "
+            f"{shape_str(input)}"
+        )
+    if input.numel() == 0:
+        return _empty_result(input, w, b)
+    y, mean, var = normalize(input, dims, w, b, eps, backend=backend)
+    n, c = input.shape[:2]
+    if running_mean is not None:
+        _stats.update_running_(running_mean, mean.view(n, c).mean(0), momentum)
+    if running_var is not None:
+        unbiased = _stats.unbiased_var(var.view(n, c), count).mean(0)
+        _stats.update_running_(running_var, unbiased, momentum)
+    return y
+
+
+def _as_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(int(s) for s in normalized_shape)
+
+
+def _check_trailing(x: Tensor, shape: tuple[int, ...], who: str,
+                    **params: Tensor | None) -> None:
+    check_floating(x, who)
+    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        raise ValueError(
+            f"{who} expected input of shape (*, {', '.join(map(str, shape))}) to match "
+            f"normalized_shape={list(shape)}, got input of shape {shape_str(x)}"
+        )
+    for name, t in params.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(
+                f"{who} expected {name} of shape {shape} (normalized_shape), got "
+                f"{name} of shape {shape_str(t)}"
+            )
+
+
+def layer_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    r"""Layer Normalization (Ba et al. 2016) over the trailing ``normalized_shape`` dims.
+
+    Args:
+        input: ``(*, *normalized_shape)``.
+        normalized_shape: the trailing shape to normalize over.
+        weight, bias: elementwise affine of shape ``normalized_shape`` or ``None``.
+        eps: added to the variance. Default: ``1e-5``.
+        backend: ``"auto"``, ``"eager"`` or ``"reference"``.
+
+    Example:
+        >>> x = torch.randn(4, 10) + 1e5          # a large offset keeps its digits
+        >>> y = layer_norm(x, (10,))
+        >>> ref = torch.nn.functional.layer_norm(x.double(), (10,))
+        >>> float((y.double() - ref).abs().max()) < 1e-4
+        True
+    """
+    shape = _as_shape(normalized_shape)
+    _check_trailing(input, shape, "layer_norm", weight=weight, bias=bias)
+    dims = tuple(range(input.dim() - len(shape), input.dim()))
+    if input.numel() == 0:
+        return _empty_result(input, weight, bias)
+    return normalize(input, dims, weight, bias, eps, backend=backend)[0]
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    r"""RMS Normalization (Zhang & Sennrich 2019) over the trailing dims.
+
+    .. math:: y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \gamma
+
+    ``eps=None`` uses the machine epsilon of the compute dtype (float32 for
+    float16/bfloat16/float32 input, float64 for float64), as torch does.
+
+    Example:
+        >>> y = rms_norm(torch.tensor([[3.0, 4.0]]), (2,), eps=0.0)
+        >>> y
+        tensor([[0.8485, 1.1314]])
+    """
+    shape = _as_shape(normalized_shape)
+    _check_trailing(input, shape, "rms_norm", weight=weight)
+    if eps is None:
+        eps = torch.finfo(_stats.compute_dtype(input.dtype)).eps
+    dims = tuple(range(input.dim() - len(shape), input.dim()))
+    if input.numel() == 0:
+        return _empty_result(input, weight, None)
+    return normalize(input, dims, weight, None, eps, center=False, backend=backend)[0]
+
+
+def layer_norm2d(
+    input: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    r"""LayerNorm over the channel dimension of channels-first ``(N, C, *)`` input.
+
+    Equivalent to permuting ``C`` last, applying ``layer_norm(x, (C,))`` and permuting
+    back, without the two copies; a ``channels_last`` input stays ``channels_last``.
+
+    Example:
+        >>> x = torch.randn(2, 8, 4, 4)
+        >>> y = layer_norm2d(x)
+        >>> ref = torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (8,))
+        >>> torch.allclose(y, ref.permute(0, 3, 1, 2), atol=1e-5)
+        True
+    """
+    who = "layer_norm2d"
+    _check_channels_first(input, who)
+    _check_per_channel(input, who, weight=weight, bias=bias)
+    view = _channel_view(input)
+    w, b = affine_view(weight, view), affine_view(bias, view)
+    if input.numel() == 0:
+        return _empty_result(input, w, b)
+    return normalize(input, (1,), w, b, eps, backend=backend)[0]
+
+
+def group_norm(
+    input: Tensor,
+    num_groups: int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    r"""Group Normalization (Wu & He 2018): per sample, over groups of channels.
+
+    The ``C`` channels of ``(N, C, *)`` input are split into ``num_groups`` groups of
+    ``C / num_groups`` consecutive channels; each ``(n, group)`` is normalized over its
+    channels and spatial positions, then the per-channel affine is applied.
+    ``num_groups=1`` is LayerNorm over ``(C, *)`` with per-channel affine;
+    ``num_groups=C`` is InstanceNorm.
+
+    Example:
+        >>> x = torch.randn(2, 6, 5)
+        >>> y = group_norm(x, 3)
+        >>> torch.allclose(y.view(2, 3, -1).mean(-1), torch.zeros(2, 3), atol=1e-5)
+        True
+    """
+    who = "group_norm"
+    _check_channels_first(input, who)
+    channels = input.shape[1]
+    if not isinstance(num_groups, numbers.Integral) or num_groups <= 0:
+        raise ValueError(f"{who} expected a positive integer num_groups, got {num_groups!r}")
+    if channels % num_groups != 0:
+        raise ValueError(
+            f"{who} expected the number of channels (dim 1) to be divisible by "
+            f"num_groups={num_groups}, got input of shape {shape_str(input)} "
+            f"({channels} channels)"
+        )
+    _check_per_channel(input, who, weight=weight, bias=bias)
+    # (N, G, C/G, *): a view for any strides, channels_last included
+    grouped = input.unflatten(1, (num_groups, channels // num_groups))
+    pview = (1, num_groups, channels // num_groups) + (1,) * (input.dim() - 2)
+    w, b = affine_view(weight, pview), affine_view(bias, pview)
+    if input.numel() == 0:
+        return _empty_result(grouped, w, b).reshape(input.shape)
+    dims = tuple(range(2, grouped.dim()))
+    y = normalize(grouped, dims, w, b, eps, backend=backend)[0]
+    return y.flatten(1, 2)

@@ -1,0 +1,1 @@
+"""Activation normalization layers, one module per family."""

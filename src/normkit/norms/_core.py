@@ -1,0 +1,230 @@
+"""The shared normalization engine: reference, autograd Function, dispatch.
+
+Every family in normkit is "normalize ``x`` over some dimensions, then apply an
+affine map whose parameters broadcast against ``x``". The family modules only
+decide the view of the input, the reduced dimensions and the view of the affine
+parameters; everything else happens here, once:
+
+* :func:`reference_normalize` -- plain PyTorch math on top of :mod:`normkit._stats`,
+  differentiated by autograd. It is the test oracle (run in float64) and the
+  ``backend="reference"`` path.
+* :class:`NormalizeFunction` -- the default path: same forward numerics, with a
+  hand-derived backward that saves only the input and the per-group statistics
+  (``mean_hi``, ``mean_lo``, ``rstd``, all in float32 or float64).
+  Double backward (``create_graph=True``) differentiates the reference instead,
+  so higher-order gradients stay exact.
+* :func:`normalize` -- chooses the backend when it runs, not when a module is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _stats
+
+BACKENDS = ("auto", "reference", "eager")
+
+
+def check_backend(backend: str) -> str:
+    """Validate a backend name (see :data:`BACKENDS`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def check_floating(x: Tensor, who: str) -> None:
+    """Raise a ValueError unless ``x`` is a real floating-point tensor."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{who} expected a torch.Tensor input, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(
+            f"{who} expected a floating-point input (float16, bfloat16, float32 or "
+            f"float64), got dtype {x.dtype}"
+        )
+
+
+def shape_str(x: Tensor) -> str:
+    """``(8, 3, 32, 32)``: a shape the way users write it."""
+    return "(" + ", ".join(str(s) for s in x.shape) + ")"
+
+
+def affine_view(param: Tensor | None, shape: Sequence[int]) -> Tensor | None:
+    """View a parameter so that it broadcasts against the (viewed) input."""
+    return None if param is None else param.view(tuple(shape))
+
+
+def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def reference_normalize(
+    x: Tensor,
+    dims: Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    center: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Normalize ``x`` over ``dims`` with plain, differentiable PyTorch math.
+
+    Returns ``(y, mean, var)``: ``y`` in ``x``'s dtype, and the statistics in the
+    compute dtype with keepdim shapes (``mean`` is zero and ``var`` is the mean
+    square when ``center`` is False, i.e. RMSNorm).
+
+    Example:
+        >>> x = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)
+        >>> y, mean, var = reference_normalize(x, (1,), eps=0.0)
+        >>> y
+        tensor([[-1.2247,  0.0000,  1.2247]], dtype=torch.float64)
+    """
+    xc = _stats.upcast(x)
+    if center:
+        m = _stats.moments(xc, dims)
+        centered = m.shifted - m.mean_lo
+        mean, var = m.mean, m.var
+    else:
+        centered = xc
+        var = _stats.mean_square(xc, dims)
+        mean = torch.zeros_like(var)
+    y = centered * torch.rsqrt(var + eps)
+    y = _affine(y, weight, bias)
+    return y.to(x.dtype), mean.detach(), var.detach()
+
+
+class NormalizeFunction(torch.autograd.Function):
+    """Normalize over ``dims`` and apply the affine map, with a hand-derived backward.
+
+    With ``xhat = (x - mean) * rstd`` and ``g = dy * weight`` the input gradient is
+    ``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` (the ``mean(g)`` term is
+    absent without centering), ``dweight = sum(dy * xhat)`` and ``dbias = sum(dy)``
+    over the dimensions the parameters broadcast along.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dims, eps, center):
+        xc = _stats.upcast(x)
+        if center:
+            m = _stats.moments(xc, dims)
+            mean_hi, mean_lo, var = m.mean_hi, m.mean_lo, m.var
+            y = m.shifted.sub_(m.mean_lo)
+        else:
+            var = _stats.mean_square(xc, dims)
+            mean_hi = mean_lo = torch.zeros_like(var)
+            y = xc.clone() if xc is x else xc
+        rstd = torch.rsqrt(var + eps)
+        y.mul_(rstd)
+        if weight is not None:
+            y.mul_(weight)
+        if bias is not None:
+            y.add_(bias)
+        ctx.dims, ctx.eps, ctx.center = tuple(dims), eps, center
+        ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
+        mean = mean_hi + mean_lo
+        ctx.mark_non_differentiable(mean, var)
+        return y.to(x.dtype), mean, var
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar):
+        x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():
+            return _double_differentiable_backward(ctx, dy, x, weight, bias)
+        dims, center = ctx.dims, ctx.center
+        xhat = _stats.upcast(x) - mean_hi
+        if center:
+            xhat.sub_(mean_lo)
+        xhat.mul_(rstd)
+        g = _stats.upcast(dy)
+        dx = dw = db = None
+        if need_w:
+            dw = (g * xhat).sum_to_size(weight.shape).to(weight.dtype)
+        if need_b:
+            db = g.sum_to_size(bias.shape).to(bias.dtype)
+        if need_x:
+            if weight is not None:
+                g = g * weight
+            proj = (g * xhat).mean(dims, keepdim=True)
+            dx = g - xhat.mul_(proj)
+            if center:
+                dx = dx.sub_(g.mean(dims, keepdim=True))
+            dx = dx.mul_(rstd).to(x.dtype)
+        return dx, dw, db, None, None, None
+
+
+def _double_differentiable_backward(ctx, dy, x, weight, bias):
+    """Backward for ``create_graph=True``: differentiate the reference with autograd."""
+    wanted = zip((x, weight, bias), ctx.needs_input_grad[:3], strict=True)
+    inputs = [t for t, need in wanted if need]
+    with torch.enable_grad():
+        y, _, _ = reference_normalize(x, ctx.dims, weight, bias, ctx.eps, ctx.center)
+        grads = iter(torch.autograd.grad(y, inputs, dy, create_graph=True, allow_unused=True))
+    out = [next(grads) if need else None for need in ctx.needs_input_grad[:3]]
+    return (*out, None, None, None)
+
+
+def normalize(
+    x: Tensor,
+    dims: Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    center: bool = True,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Normalize ``x`` over ``dims`` and apply ``weight``/``bias`` (already viewed).
+
+    Returns ``(y, mean, var)`` like :func:`reference_normalize`. The backend is
+    chosen here, at call time: ``"reference"`` differentiates the reference math,
+    ``"eager"`` and ``"auto"`` use :class:`NormalizeFunction`.
+
+    Example:
+        >>> x = torch.randn(4, 8)
+        >>> y, mean, var = normalize(x, (1,))
+        >>> torch.allclose(y.mean(1), torch.zeros(4), atol=1e-6)
+        True
+    """
+    check_backend(backend)
+    dims = tuple(d % x.dim() for d in dims)
+    if backend == "reference":
+        return reference_normalize(x, dims, weight, bias, eps, center)
+    return NormalizeFunction.apply(x, weight, bias, dims, eps, center)
+
+
+def scale_shift(
+    x: Tensor,
+    mean: Tensor,
+    var: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+) -> Tensor:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` with fixed statistics.
+
+    This is inference-mode BatchNorm/InstanceNorm: the statistics are constants
+    (running buffers), so the result is an affine map of ``x``. ``x - mean`` is
+    formed first, so a large common offset does not eat the precision. All
+    arguments are already viewed to broadcast against ``x``.
+
+    Example:
+        >>> scale_shift(torch.tensor([3.0]), torch.tensor([1.0]), torch.tensor([4.0]),
+        ...             None, None, 0.0)
+        tensor([1.])
+    """
+    xc = _stats.upcast(x)
+    scale = torch.rsqrt(_stats.upcast(var) + eps)
+    if weight is not None:
+        scale = scale * weight
+    centered = xc - mean.to(xc.dtype)
+    if bias is None:
+        y = centered * scale
+    else:
+        y = torch.addcmul(bias.to(xc.dtype), centered, scale)
+    return y.to(x.dtype)

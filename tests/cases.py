@@ -1,0 +1,101 @@
+"""The grid of layers the tests sweep: one entry per family and input rank."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import normkit
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    make: Callable[..., nn.Module]          # make(affine: bool) -> normkit module
+    torch_cls: Callable[..., nn.Module] | None  # same constructor, torch.nn class
+    shape: tuple[int, ...]
+    args: tuple = ()
+
+    def build(self, affine: bool = True, **kwargs) -> tuple[nn.Module, nn.Module | None]:
+        """A normkit module with non-trivial parameters/buffers, and its torch twin."""
+        nk = self.make(*self.args, **_affine_kw(self.make, affine), **kwargs)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in nk.named_parameters():
+                if name.endswith("weight"):
+                    p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen))
+            if getattr(nk, "running_mean", None) is not None:
+                nk.running_mean.copy_(torch.randn(nk.running_mean.shape, generator=gen) * 0.2)
+                nk.running_var.copy_(torch.rand(nk.running_var.shape, generator=gen) + 0.5)
+        if self.torch_cls is None:
+            return nk, None
+        tm = self.torch_cls(*self.args, **_affine_kw(self.torch_cls, affine), **kwargs)
+        tm.load_state_dict(nk.state_dict())
+        return nk, tm
+
+
+def _affine_kw(cls, affine: bool) -> dict:
+    if isinstance(cls, type) and issubclass(cls, (nn.LayerNorm, nn.RMSNorm)):
+        return {"elementwise_affine": affine}
+    return {"affine": affine}
+
+
+CASES = [
+    Case("BatchNorm1d-2D", normkit.BatchNorm1d, nn.BatchNorm1d, (9, 6), (6,)),
+    Case("BatchNorm1d-3D", normkit.BatchNorm1d, nn.BatchNorm1d, (5, 6, 7), (6,)),
+    Case("BatchNorm2d", normkit.BatchNorm2d, nn.BatchNorm2d, (5, 6, 3, 7), (6,)),
+    Case("BatchNorm3d", normkit.BatchNorm3d, nn.BatchNorm3d, (3, 6, 2, 3, 5), (6,)),
+    Case("LayerNorm", normkit.LayerNorm, nn.LayerNorm, (5, 6, 3, 7), ((3, 7),)),
+    Case("RMSNorm", normkit.RMSNorm, nn.RMSNorm, (5, 6, 3, 7), ((7,),)),
+    Case("GroupNorm", normkit.GroupNorm, nn.GroupNorm, (5, 6, 3, 7), (3, 6)),
+    Case("GroupNorm-2D", normkit.GroupNorm, nn.GroupNorm, (7, 6), (2, 6)),
+    Case("GroupNorm-1-per-group", normkit.GroupNorm, nn.GroupNorm, (4, 6, 1, 1), (6, 6)),
+    Case("InstanceNorm1d", normkit.InstanceNorm1d, nn.InstanceNorm1d, (5, 6, 7), (6,)),
+    Case("InstanceNorm2d", normkit.InstanceNorm2d, nn.InstanceNorm2d, (5, 6, 3, 7), (6,)),
+    Case("InstanceNorm3d", normkit.InstanceNorm3d, nn.InstanceNorm3d, (3, 6, 2, 3, 5), (6,)),
+    Case("LayerNorm2d", normkit.LayerNorm2d, None, (5, 6, 3, 7), (6,)),
+]
+CASE_IDS = [c.name for c in CASES]
+
+LAYOUTS = ["contiguous", "channels_last", "noncontiguous"]
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_input(shape, dtype, layout, *, seed=0, offset=0.0, scale=1.0):
+    """A random input with the given layout; ``None`` when the layout does not apply."""
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "noncontiguous":
+        big = torch.randn(*shape[:-1], shape[-1] * 2, generator=gen, dtype=torch.float64)
+        x = (big * scale + offset).to(dtype)[..., ::2]
+        assert not x.is_contiguous()
+        return x
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale + offset).to(dtype)
+    if layout == "channels_last":
+        if x.dim() == 4:
+            return x.contiguous(memory_format=torch.channels_last)
+        if x.dim() == 5:
+            return x.contiguous(memory_format=torch.channels_last_3d)
+        return None
+    return x
+
+
+def memory_format_of(x):
+    """channels_last(_3d) when ``x`` is laid out so (and not also plainly contiguous)."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def float64_twin(module):
+    """A float64 deep copy whose parameters collect reference gradients."""
+    return copy.deepcopy(module).double()
