@@ -22,7 +22,7 @@ class Case:
 
     def build(self, affine: bool = True, **kwargs) -> tuple[nn.Module, nn.Module | None]:
         """A normkit module with non-trivial parameters/buffers, and its torch twin."""
-        nk = self.make(*self.args, **_affine_kw(self.make, affine), **kwargs)
+        nk = self.make(*self.args, **affine_kwargs(self.make, affine), **kwargs)
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, p in nk.named_parameters():
@@ -35,12 +35,12 @@ class Case:
                 nk.running_var.copy_(torch.rand(nk.running_var.shape, generator=gen) + 0.5)
         if self.torch_cls is None:
             return nk, None
-        tm = self.torch_cls(*self.args, **_affine_kw(self.torch_cls, affine), **kwargs)
+        tm = self.torch_cls(*self.args, **affine_kwargs(self.torch_cls, affine), **kwargs)
         tm.load_state_dict(nk.state_dict())
         return nk, tm
 
 
-def _affine_kw(cls, affine: bool) -> dict:
+def affine_kwargs(cls, affine: bool) -> dict:
     if isinstance(cls, type) and issubclass(cls, (nn.LayerNorm, nn.RMSNorm)):
         return {"elementwise_affine": affine}
     return {"affine": affine}

@@ -69,8 +69,14 @@ def channel_view(p, ndim):
     return None if p is None else p.view((1, -1) + (1,) * (ndim - 2))
 
 
-def reference_forward(module, x: torch.Tensor) -> torch.Tensor:
-    """float64 output of a normkit module (in its current mode) computed independently."""
+def reference_forward(module, x: torch.Tensor, input_dtype: torch.dtype | None = None
+                      ) -> torch.Tensor:
+    """float64 output of a normkit module (in its current mode) computed independently.
+
+    ``input_dtype`` is the dtype the module really saw (``x`` may be its float64 copy);
+    it decides RMSNorm's ``eps=None`` (machine epsilon of float32, or of float64).
+    """
+    input_dtype = x.dtype if input_dtype is None else input_dtype
     name = type(module).__name__
     w = getattr(module, "weight", None)
     b = getattr(module, "bias", None)
@@ -104,7 +110,8 @@ def reference_forward(module, x: torch.Tensor) -> torch.Tensor:
         k = len(module.normalized_shape)
         eps = module.eps
         if eps is None:
-            eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+            wide = input_dtype == torch.float64
+            eps = torch.finfo(torch.float64 if wide else torch.float32).eps
         return normalize64(x, tuple(range(x.dim() - k, x.dim())), w, None, eps, center=False)
     if name == "GroupNorm":
         g = module.num_groups

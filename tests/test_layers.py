@@ -23,7 +23,7 @@ def _run(case, dtype, layout, affine, training, backend="auto", **kwargs):
     x = x.requires_grad_()
     y = nk(x)
     x64 = x.detach().double().requires_grad_()
-    ref = reference_forward(ref_module, x64)
+    ref = reference_forward(ref_module, x64, input_dtype=dtype)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     dy = dy.to(dtype)
     y.backward(dy)

@@ -110,6 +110,10 @@ def batch_norm(
     _check_channels_first(input, who)
     _check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
                        weight=weight, bias=bias)
+    if training and eps <= 0.0:
+        raise ValueError(f"{who} eps must be positive during training, but got {eps}")
+    if eps < 0.0:
+        raise ValueError(f"{who} eps must be non-negative, but got {eps}")
     view = _channel_view(input)
     w, b = affine_view(weight, view), affine_view(bias, view)
     if not training:
@@ -358,6 +362,13 @@ def group_norm(
             f"({channels} channels)"
         )
     _check_per_channel(input, who, weight=weight, bias=bias)
+    per_group = input.shape[0] * (channels // num_groups) * _stats.reduced_count(
+        input.shape, range(2, input.dim()))
+    if per_group == 1:  # torch's rule (F.group_norm's _verify_batch_size), kept for parity
+        raise ValueError(
+            f"Expected more than 1 value per group, got input size {shape_str(input)} "
+            f"with num_groups={num_groups}"
+        )
     # (N, G, C/G, *): a view for any strides, channels_last included
     grouped = input.unflatten(1, (num_groups, channels // num_groups))
     pview = (1, num_groups, channels // num_groups) + (1,) * (input.dim() - 2)

@@ -102,11 +102,11 @@ def get_norm_layer(spec: NormSpec, num_features: int, **kwargs) -> nn.Module:
     Example:
         >>> import functools, normkit
         >>> get_norm_layer("gn", 64)
-        GroupNorm(32, 64, eps=1e-05, affine=True)
-        >>> get_norm_layer("BatchNorm2d", 16, momentum=0.01)
-        BatchNorm2d(16, eps=1e-05, momentum=0.01, affine=True, track_running_stats=True)
-        >>> get_norm_layer(functools.partial(normkit.GroupNorm, num_groups=4), 8)
-        GroupNorm(4, 8, eps=1e-05, affine=True)
+        GroupNorm(32, 64, eps=1e-05, affine=True, bias=True)
+        >>> get_norm_layer("BatchNorm2d", 16, momentum=0.01).momentum
+        0.01
+        >>> get_norm_layer(functools.partial(normkit.GroupNorm, num_groups=4), 8).num_groups
+        4
     """
     if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
         raise ValueError(f"num_features must be a positive int, got {num_features!r}")

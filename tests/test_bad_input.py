@@ -1,0 +1,103 @@
+"""Bad input gets a ValueError that names what was expected and what was given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import normkit
+import normkit.functional as F
+
+# (call, fragments the message must contain)
+BAD = {
+    "bn-wrong-channels": (lambda: normkit.BatchNorm2d(3)(torch.randn(2, 4, 3, 3)),
+                          ["3 channels", "(2, 4, 3, 3)"]),
+    "bn-wrong-ndim": (lambda: normkit.BatchNorm2d(3)(torch.randn(2, 3, 3)),
+                      ["4D", "3D", "(2, 3, 3)"]),
+    "bn1d-wrong-ndim": (lambda: normkit.BatchNorm1d(3)(torch.randn(2, 3, 3, 3)),
+                        ["2D or 3D", "4D"]),
+    "bn3d-wrong-ndim": (lambda: normkit.BatchNorm3d(3)(torch.randn(2, 3, 3, 3)), ["5D", "4D"]),
+    "bn-one-value-per-channel": (lambda: normkit.BatchNorm1d(3)(torch.randn(1, 3)),
+                                 ["more than 1 value per channel", "(1, 3)"]),
+    "bn-integer-input": (lambda: normkit.BatchNorm2d(3)(torch.ones(2, 3, 2, 2, dtype=torch.long)),
+                         ["floating-point", "torch.int64"]),
+    "bn-eps-zero-training": (lambda: normkit.BatchNorm2d(3, eps=0.0)(torch.randn(2, 3, 2, 2)),
+                             ["eps must be positive", "0.0"]),
+    "bn-eval-without-stats": (lambda: F.batch_norm(torch.randn(2, 3), None, None),
+                              ["running_mean", "None"]),
+    "bn-weight-size": (lambda: F.batch_norm(torch.randn(2, 3), None, None, torch.ones(4),
+                                            training=True), ["4 channels", "(2, 3)", "weight"]),
+    "ln-wrong-shape": (lambda: normkit.LayerNorm(5)(torch.randn(2, 4)),
+                       ["(*, 5)", "(2, 4)"]),
+    "ln-weight-shape": (lambda: F.layer_norm(torch.randn(2, 4), (4,), torch.ones(3)),
+                        ["(4,)", "(3)"]),
+    "ln-integer": (lambda: normkit.LayerNorm(2)(torch.ones(2, 2, dtype=torch.int32)),
+                   ["floating-point", "torch.int32"]),
+    "rms-wrong-shape": (lambda: normkit.RMSNorm((3, 4))(torch.randn(2, 4, 3)),
+                        ["(*, 3, 4)", "(2, 4, 3)"]),
+    "gn-not-divisible": (lambda: F.group_norm(torch.randn(2, 6, 3), 4),
+                         ["divisible", "num_groups=4", "6 channels"]),
+    "gn-wrong-channels": (lambda: normkit.GroupNorm(2, 6)(torch.randn(2, 4, 3)),
+                          ["(N, 6, *)", "(2, 4, 3)"]),
+    "gn-1d-input": (lambda: F.group_norm(torch.randn(6), 2), ["(N, C, *)", "1D", "(6)"]),
+    "gn-bad-groups": (lambda: F.group_norm(torch.randn(2, 6), 0), ["positive", "0"]),
+    "in-wrong-channels-affine": (
+        lambda: normkit.InstanceNorm2d(3, affine=True)(torch.randn(2, 4, 5, 5)),
+        ["3 channels", "(2, 4, 5, 5)"]),
+    "in-one-spatial-element": (lambda: normkit.InstanceNorm1d(3)(torch.randn(2, 3, 1)),
+                               ["more than 1 spatial element", "(2, 3, 1)"]),
+    "in-wrong-ndim": (lambda: normkit.InstanceNorm2d(3)(torch.randn(3, 5)), ["3D", "4D", "2D"]),
+    "ln2d-wrong-channels": (lambda: normkit.LayerNorm2d(8)(torch.randn(2, 4, 3, 3)),
+                            ["(N, 8, *)", "(2, 4, 3, 3)"]),
+    "backend-unknown": (lambda: normkit.LayerNorm(4, backend="cuda-magic"),
+                        ["backend", "'cuda-magic'", "reference"]),
+    "registry-unknown": (lambda: normkit.get_norm_layer("batchnrom", 8),
+                         ["'batchnrom'", "groupnorm"]),
+    "registry-bad-features": (lambda: normkit.get_norm_layer("bn", 0), ["positive", "0"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_raises_value_error_naming_expected_and_given(name):
+    call, fragments = BAD[name]
+    with pytest.raises(ValueError) as info:
+        call()
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+def test_instance_norm_without_affine_warns_like_torch_on_channel_mismatch():
+    with pytest.warns(UserWarning, match="3 channels"):
+        normkit.InstanceNorm2d(3)(torch.randn(2, 4, 5, 5))
+
+
+dims = st.integers(min_value=1, max_value=5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=dims, c=st.integers(2, 6), given_c=st.integers(1, 9), spatial=st.lists(dims, max_size=2))
+def test_any_channel_mismatch_is_reported(n, c, given_c, spatial):
+    if given_c == c:
+        return
+    x = torch.randn(n, given_c, *spatial) if spatial else torch.randn(n, given_c)
+    for module in (normkit.BatchNorm1d(c) if len(spatial) <= 1 else normkit.BatchNorm2d(c),
+                   normkit.GroupNorm(1, c), normkit.LayerNorm2d(c)):
+        if isinstance(module, normkit.BatchNorm2d) and len(spatial) != 2:
+            continue
+        with pytest.raises(ValueError) as info:
+            module(x)
+        assert str(c) in str(info.value) and str(given_c) in str(info.value)
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from([torch.int8, torch.int32, torch.int64, torch.bool,
+                              torch.uint8, torch.complex64]))
+def test_any_non_floating_dtype_is_reported(dtype):
+    x = torch.zeros(2, 4, 3, 3).to(dtype)
+    for module in (normkit.BatchNorm2d(4), normkit.LayerNorm(3), normkit.RMSNorm(3),
+                   normkit.GroupNorm(2, 4), normkit.InstanceNorm2d(4), normkit.LayerNorm2d(4)):
+        with pytest.raises(ValueError, match=str(dtype)):
+            module(x)

@@ -1,0 +1,70 @@
+"""Checkpoints move between torch.nn and normkit in both directions, outputs unchanged."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from cases import CASES, affine_kwargs, make_input
+
+import normkit
+
+
+def _roundtrip(module):
+    buffer = io.BytesIO()
+    torch.save(module.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("case", [c for c in CASES if c.torch_cls], ids=lambda c: c.name)
+def test_torch_checkpoint_loads_into_normkit_and_back(case, affine):
+    extra = {"track_running_stats": True} if case.name.startswith("Instance") else {}
+    nk, tm = case.build(affine, **extra)
+    tm.train()
+    for step in range(3):  # move the running statistics in torch
+        tm(make_input(case.shape, torch.float32, "contiguous", seed=step, offset=step))
+    fresh = type(nk)(*case.args, **affine_kwargs(type(nk), affine), **extra)
+    result = fresh.load_state_dict(_roundtrip(tm))
+    assert not result.missing_keys and not result.unexpected_keys
+    back = type(tm)(*case.args, **affine_kwargs(type(tm), affine), **extra)
+    back.load_state_dict(_roundtrip(fresh))
+    x = make_input(case.shape, torch.float32, "contiguous", seed=7)
+    for mode in (False, True):
+        tm.train(mode), fresh.train(mode), back.train(mode)
+        torch.testing.assert_close(fresh(x), tm(x), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(back(x), tm(x), atol=2e-5, rtol=2e-5)
+
+
+def test_old_batchnorm_checkpoint_without_num_batches_tracked_loads():
+    old = torch.nn.BatchNorm2d(4).state_dict()
+    del old["num_batches_tracked"]
+    old._metadata[""]["version"] = 1  # as saved before torch 0.4.1
+    torch.nn.BatchNorm2d(4).load_state_dict(old)
+    module = normkit.BatchNorm2d(4)
+    module.load_state_dict(old)  # torch's version hook fills it in
+    assert int(module.num_batches_tracked) == 0
+
+
+def test_layernorm2d_state_dict_is_a_plain_layernorm():
+    ln2d = normkit.LayerNorm2d(6)
+    ln = torch.nn.LayerNorm(6)
+    ln.load_state_dict(ln2d.state_dict())
+    x = torch.randn(2, 6, 3, 3)
+    torch.testing.assert_close(ln2d(x), ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
+
+
+def test_whole_model_swap_keeps_outputs():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.GroupNorm(4, 8))
+    twin = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), normkit.BatchNorm2d(8),
+                               torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), normkit.GroupNorm(4, 8))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 10, 10)
+    for mode in (True, False):
+        model.train(mode), twin.train(mode)
+        torch.testing.assert_close(twin(x), model(x), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(twin[1].running_mean, model[1].running_mean)
