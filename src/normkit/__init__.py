@@ -11,16 +11,35 @@ Example:
     torch.Size([4, 8, 6, 6])
 """
 
-from . import functional
-from .norms.batch import BatchNorm1d, BatchNorm2d, BatchNorm3d
+from . import conventions, functional
+from .norms.batch import (
+    BatchNorm,
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    BatchRenorm1d,
+    BatchRenorm2d,
+    BatchRenorm3d,
+    FrozenBatchNorm,
+    FrozenBatchNorm1d,
+    FrozenBatchNorm2d,
+    FrozenBatchNorm3d,
+    renorm_limits,
+)
 from .norms.group import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .norms.layer import LayerNorm, LayerNorm2d, RMSNorm
+from .norms.sync import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from .recurrent import LayerNormLSTM, LayerNormLSTMCell
 from .registry import default_num_groups, get_norm_layer, norm_names, register_norm
+from .tools.freeze import freeze_batchnorm, unfreeze_batchnorm
+from .tools.precise import update_bn_stats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "conventions",
     "functional",
+    "BatchNorm",
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
@@ -35,4 +54,20 @@ __all__ = [
     "register_norm",
     "norm_names",
     "default_num_groups",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
+    "revert_sync_batchnorm",
+    "update_bn_stats",
+    "FrozenBatchNorm",
+    "FrozenBatchNorm1d",
+    "FrozenBatchNorm2d",
+    "FrozenBatchNorm3d",
+    "freeze_batchnorm",
+    "unfreeze_batchnorm",
+    "BatchRenorm1d",
+    "BatchRenorm2d",
+    "BatchRenorm3d",
+    "renorm_limits",
+    "LayerNormLSTM",
+    "LayerNormLSTMCell",
 ]

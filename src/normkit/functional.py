@@ -77,6 +77,7 @@ def batch_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
     *,
+    unbiased_running_var: bool = True,
     backend: str = "auto",
 ) -> Tensor:
     r"""Batch Normalization (Ioffe & Szegedy 2015) over the channel dim of ``(N, C, *)``.
@@ -86,7 +87,9 @@ def batch_norm(
     In training the batch statistics (over ``N`` and every spatial dim) normalize the
     input and update ``running_mean``/``running_var`` in place with
     ``(1 - momentum) * running + momentum * batch``; ``running_var`` receives the
-    *unbiased* batch variance, as in torch. Otherwise the running statistics are used.
+    *unbiased* batch variance, as in torch (the biased one with
+    ``unbiased_running_var=False``, the Keras/Flax convention). Otherwise the running
+    statistics are used.
     An empty batch normalizes to an empty output and leaves the running statistics
     untouched.
 
@@ -97,6 +100,8 @@ def batch_norm(
         training: use (and update) batch statistics. Default: ``False``.
         momentum: running-average factor. Default: ``0.1``.
         eps: added to the variance. Default: ``1e-5``.
+        unbiased_running_var: store the unbiased (torch) or biased (Keras, Flax) batch
+            variance in ``running_var``. Default: ``True``.
         backend: ``"auto"``, ``"eager"`` or ``"reference"``.
 
     Example:
@@ -138,7 +143,8 @@ def batch_norm(
     if running_mean is not None:
         _stats.update_running_(running_mean, mean.view(-1), momentum)
     if running_var is not None:
-        _stats.update_running_(running_var, _stats.unbiased_var(var.view(-1), count), momentum)
+        batch_var = _stats.unbiased_var(var.view(-1), count) if unbiased_running_var else var
+        _stats.update_running_(running_var, batch_var.view(-1), momentum)
     return y
 
 

@@ -1,14 +1,20 @@
-"""BatchNorm1d/2d/3d: drop-in subclasses of torch.nn's, with robust statistics."""
+"""BatchNorm and its relatives: drop-in BatchNorm1d/2d/3d, FrozenBatchNorm, BatchRenorm."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
+from .. import _stats
 from .. import functional as F
 from ._base import BackendMixin
-from ._core import check_floating, shape_str
+from ._core import affine_view, check_floating, normalize, scale_shift, shape_str
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
+__all__ = [
+    "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "check_batch_input",
+    "FrozenBatchNorm", "FrozenBatchNorm1d", "FrozenBatchNorm2d", "FrozenBatchNorm3d",
+    "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "renorm_limits",
+]
 
 _DOC = r"""Batch Normalization over {what} (Ioffe & Szegedy 2015).
 
@@ -31,6 +37,9 @@ _DOC = r"""Batch Normalization over {what} (Ioffe & Szegedy 2015).
         affine: learnable ``weight`` and ``bias``. Default: ``True``.
         track_running_stats: keep running statistics. Default: ``True``.
         bias: learnable ``bias`` (with ``affine``). Default: ``True``.
+        unbiased_running_var: store the unbiased batch variance in ``running_var``
+            (torch's convention), or the biased one (Keras/Flax; see
+            :mod:`normkit.conventions`). Keyword-only. Default: ``True``.
         backend: ``"auto"``, ``"eager"`` or ``"reference"`` (keyword-only, read at
             every forward). Default: ``"auto"``.
 
@@ -47,34 +56,53 @@ _DOC = r"""Batch Normalization over {what} (Ioffe & Szegedy 2015).
     """
 
 
+def check_batch_input(module: nn.Module, input: Tensor, ndims: tuple[int, ...],
+                      shape_doc: str) -> None:
+    """The input checks every BatchNorm-like module shares (dtype, rank, channels)."""
+    name = type(module).__name__
+    check_floating(input, name)
+    if ndims and input.dim() not in ndims:
+        expected = " or ".join(f"{d}D" for d in ndims)
+        raise ValueError(
+            f"{name} expected {expected} input {shape_doc}, got a "
+            f"{input.dim()}D input of shape {shape_str(input)}"
+        )
+    if input.dim() < 2 or input.shape[1] != module.num_features:
+        raise ValueError(
+            f"{name} expected input of shape (N, {module.num_features}, *) with "
+            f"{module.num_features} channels (dim 1), got input of shape {shape_str(input)}"
+        )
+
+
 class _BatchNormForward(BackendMixin):
     """The forward shared by BatchNorm1d/2d/3d (torch's ``_BatchNorm.forward`` logic)."""
 
     _ndims: tuple[int, ...] = ()
     _shape_doc: str = ""
 
-    def _check_input_dim(self, input: Tensor) -> None:
-        name = type(self).__name__
-        check_floating(input, name)
-        if input.dim() not in self._ndims:
-            expected = " or ".join(f"{d}D" for d in self._ndims)
-            raise ValueError(
-                f"{name} expected {expected} input {self._shape_doc}, got a "
-                f"{input.dim()}D input of shape {shape_str(input)}"
-            )
-        if input.shape[1] != self.num_features:
-            raise ValueError(
-                f"{name} expected input with {self.num_features} channels (dim 1), "
-                f"got input of shape {shape_str(input)}"
-            )
+    def __init__(self, *args, unbiased_running_var: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.unbiased_running_var = bool(unbiased_running_var)
 
-    def forward(self, input: Tensor) -> Tensor:
-        self._check_input_dim(input)
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        return base if self.unbiased_running_var else f"{base}, unbiased_running_var=False"
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        check_batch_input(self, input, self._ndims, self._shape_doc)
+
+    def _momentum_factor(self) -> float:
+        """Count this training step and return its running-average factor (torch's rule)."""
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
+        return factor
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        factor = self._momentum_factor()
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or self.track_running_stats
         return F.batch_norm(
@@ -86,8 +114,17 @@ class _BatchNormForward(BackendMixin):
             use_batch_stats,
             factor,
             self.eps,
+            unbiased_running_var=self.unbiased_running_var,
             backend=self.backend,
         )
+
+
+class BatchNorm(_BatchNormForward, nn.modules.batchnorm._BatchNorm):
+    _ndims = ()
+    _shape_doc = "(N, C, *)"
+    __doc__ = _DOC.replace(":class:`torch.nn.{name}`", "torch's ``_BatchNorm`` base").format(
+        name="BatchNorm", what="any channels-first input (N, C, *) of rank >= 2",
+        shape=":math:`(N, C, *)`", example="8, 3, 5")
 
 
 class BatchNorm1d(_BatchNormForward, nn.BatchNorm1d):
@@ -109,3 +146,290 @@ class BatchNorm3d(_BatchNormForward, nn.BatchNorm3d):
     _shape_doc = "(N, C, D, H, W)"
     __doc__ = _DOC.format(name="BatchNorm3d", what="a 5D input (volumes, video)",
                           shape=":math:`(N, C, D, H, W)`", example="4, 3, 2, 5, 5")
+
+
+# --------------------------------------------------------------------------- frozen
+
+
+class FrozenBatchNorm(nn.Module):
+    r"""BatchNorm with fixed statistics and affine parameters, all stored as buffers.
+
+    .. math:: y = \frac{x - \mu_{running}}{\sqrt{\sigma^2_{running} + \epsilon}} \gamma + \beta
+
+    The layer fine-tuning and detection models use (as in detectron2): nothing it holds
+    is trained or updated, ``model.train()`` does not change it, and gradients still flow
+    to its input. It loads the ``state_dict`` of any BatchNorm (``num_batches_tracked``
+    is dropped). This class accepts any ``(N, C, *)`` input; the 1d/2d/3d subclasses also
+    check the rank.
+
+    Args:
+        num_features: number of channels ``C``.
+        eps: added to the running variance. Default: ``1e-5``.
+
+    Shape:
+        - Input: :math:`(N, C, *)`; output: same shape, dtype and memory format.
+
+    Example:
+        >>> import torch, normkit
+        >>> frozen = normkit.FrozenBatchNorm2d.from_batchnorm(torch.nn.BatchNorm2d(4).eval())
+        >>> frozen.train()(torch.zeros(2, 4, 3, 3)).abs().max().item()
+        0.0
+        >>> [name for name, _ in frozen.named_parameters()]
+        []
+    """
+
+    _ndims: tuple[int, ...] = ()
+    _shape_doc = "(N, C, *)"
+
+    def __init__(self, num_features: int, eps: float = 1e-5, *, device=None, dtype=None):
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.num_features = num_features
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(num_features, **kw))
+        self.register_buffer("bias", torch.zeros(num_features, **kw))
+        self.register_buffer("running_mean", torch.zeros(num_features, **kw))
+        self.register_buffer("running_var", torch.ones(num_features, **kw))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}"
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict.pop(prefix + "num_batches_tracked", None)
+        for name, fill in (("weight", 1.0), ("bias", 0.0)):  # from an affine=False BN
+            if prefix + name not in state_dict and prefix + "running_mean" in state_dict:
+                state_dict[prefix + name] = torch.full_like(state_dict[prefix + "running_mean"],
+                                                            fill)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, input: Tensor) -> Tensor:
+        check_batch_input(self, input, self._ndims, self._shape_doc)
+        view = (1, input.shape[1]) + (1,) * (input.dim() - 2)
+        return scale_shift(input, self.running_mean.view(view), self.running_var.view(view),
+                           self.weight.view(view), self.bias.view(view), self.eps)
+
+    @classmethod
+    def from_batchnorm(cls, bn: nn.Module) -> FrozenBatchNorm:
+        """A frozen copy of a BatchNorm-like layer (its eval-mode behaviour, fixed).
+
+        Raises ValueError for a BatchNorm without running statistics: there is nothing
+        to freeze (its eval mode normalizes with batch statistics).
+        """
+        if getattr(bn, "running_mean", None) is None or getattr(bn, "running_var", None) is None:
+            raise ValueError(
+                f"cannot freeze {type(bn).__name__}: expected running statistics "
+                "(track_running_stats=True), got none"
+            )
+        ref = bn.running_mean
+        frozen = cls(bn.num_features, bn.eps, device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            frozen.running_mean.copy_(bn.running_mean)
+            frozen.running_var.copy_(bn.running_var)
+            if getattr(bn, "weight", None) is not None:
+                frozen.weight.copy_(bn.weight)
+            if getattr(bn, "bias", None) is not None:
+                frozen.bias.copy_(bn.bias)
+        return frozen
+
+    def to_batchnorm(self, cls: type[nn.Module] | None = None) -> nn.Module:
+        """A trainable BatchNorm (normkit's, of the matching rank) with this layer's state."""
+        if cls is None:
+            cls = _UNFROZEN.get(type(self).__name__, BatchNorm)
+        ref = self.running_mean
+        bn = cls(self.num_features, eps=self.eps, device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            bn.weight.copy_(self.weight)
+            bn.bias.copy_(self.bias)
+            bn.running_mean.copy_(self.running_mean)
+            bn.running_var.copy_(self.running_var)
+        return bn
+
+
+class FrozenBatchNorm1d(FrozenBatchNorm):
+    """:class:`FrozenBatchNorm` for ``(N, C)`` or ``(N, C, L)`` input.
+
+    Example:
+        >>> import torch, normkit
+        >>> normkit.FrozenBatchNorm1d(3)(torch.randn(4, 3)).shape
+        torch.Size([4, 3])
+    """
+
+    _ndims = (2, 3)
+    _shape_doc = "(N, C) or (N, C, L)"
+
+
+class FrozenBatchNorm2d(FrozenBatchNorm):
+    """:class:`FrozenBatchNorm` for ``(N, C, H, W)`` input.
+
+    Example:
+        >>> import torch, normkit
+        >>> normkit.FrozenBatchNorm2d(3)(torch.randn(2, 3, 4, 4)).shape
+        torch.Size([2, 3, 4, 4])
+    """
+
+    _ndims = (4,)
+    _shape_doc = "(N, C, H, W)"
+
+
+class FrozenBatchNorm3d(FrozenBatchNorm):
+    """:class:`FrozenBatchNorm` for ``(N, C, D, H, W)`` input.
+
+    Example:
+        >>> import torch, normkit
+        >>> normkit.FrozenBatchNorm3d(3)(torch.randn(2, 3, 2, 4, 4)).shape
+        torch.Size([2, 3, 2, 4, 4])
+    """
+
+    _ndims = (5,)
+    _shape_doc = "(N, C, D, H, W)"
+
+
+_UNFROZEN = {"FrozenBatchNorm1d": BatchNorm1d, "FrozenBatchNorm2d": BatchNorm2d,
+             "FrozenBatchNorm3d": BatchNorm3d}
+
+
+# --------------------------------------------------------------------------- renorm
+
+
+def renorm_limits(step: int, r_max: float = 3.0, d_max: float = 5.0,
+                  warmup_steps: int = 5000, r_max_steps: int = 40000,
+                  d_max_steps: int = 25000) -> tuple[float, float]:
+    """Batch Renormalization's clipping limits ``(r_max, d_max)`` at a training step.
+
+    The schedule of Ioffe (2017): ``r_max = 1`` and ``d_max = 0`` (plain BatchNorm) for
+    the first ``warmup_steps``, then relaxed linearly to their final values, reached at
+    ``r_max_steps`` and ``d_max_steps``.
+
+    Example:
+        >>> renorm_limits(0), renorm_limits(5000), renorm_limits(22500)
+        ((1.0, 0.0), (1.0, 0.0), (2.0, 4.375))
+        >>> renorm_limits(10**6)
+        (3.0, 5.0)
+    """
+    def ramp(start: float, end: float, end_step: int) -> float:
+        if step < warmup_steps:
+            return start
+        if step >= end_step:
+            return end
+        return start + (end - start) * (step - warmup_steps) / (end_step - warmup_steps)
+
+    return ramp(1.0, float(r_max), r_max_steps), ramp(0.0, float(d_max), d_max_steps)
+
+
+_RENORM_DOC = r"""Batch Renormalization over {what} (Ioffe 2017).
+
+    In training, the batch-normalized input is corrected towards the running statistics,
+
+    .. math::
+        \hat x = rac{{x - \mu_B}}{{\sigma_B}} r + d, \quad
+        r = \mathrm{{clip}}_{{[1/r_{{max}}, r_{{max}}]}}\left(rac{{\sigma_B}}{{\sigma}}
+ight),
+        \quad d = \mathrm{{clip}}_{{[-d_{{max}}, d_{{max}}]}}\left(rac{{\mu_B - \mu}}{{\sigma}}
+ight)
+
+    with gradients stopped through ``r`` and ``d`` (``sigma = sqrt(running_var + eps)``),
+    so training sees the same normalization as inference, and small or non-i.i.d.
+    batches hurt less. Inference is plain BatchNorm with the running statistics. The
+    limits follow :func:`normkit.renorm_limits` at step ``num_batches_tracked``
+    (the paper's schedule by default). A subclass of :class:`torch.nn.{parent}`, so BN
+    checkpoints load into it and back.
+
+    Args:
+        num_features: number of channels ``C``.
+        eps: added to the variance. Default: ``1e-5``.
+        momentum: running-average factor, or ``None`` (cumulative). Default: ``0.1``.
+        affine: learnable ``weight`` and ``bias``. Default: ``True``.
+        r_max, d_max: final clipping limits. Default: ``3.0``, ``5.0``.
+        warmup_steps: steps of plain BatchNorm before relaxing. Default: ``5000``.
+        r_max_steps, d_max_steps: steps at which the final limits are reached.
+            Default: ``40000``, ``25000``.
+
+    Shape:
+        - Input: {shape}; output: same.
+
+    Example:
+        >>> import torch, normkit
+        >>> brn = normkit.{name}(3, warmup_steps=0, r_max_steps=1, d_max_steps=1)
+        >>> y = brn(torch.randn({example}))
+        >>> brn.current_limits()
+        (3.0, 5.0)
+    """
+
+
+class _BatchRenormForward(_BatchNormForward):
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, *, r_max: float = 3.0, d_max: float = 5.0,
+                 warmup_steps: int = 5000, r_max_steps: int = 40000,
+                 d_max_steps: int = 25000, device=None, dtype=None, **kwargs) -> None:
+        if r_max < 1.0 or d_max < 0.0:
+            raise ValueError(f"expected r_max >= 1 and d_max >= 0, got r_max={r_max}, "
+                             f"d_max={d_max}")
+        super().__init__(num_features, eps, momentum, affine, True, device=device,
+                         dtype=dtype, **kwargs)
+        self.r_max, self.d_max = float(r_max), float(d_max)
+        self.warmup_steps, self.r_max_steps, self.d_max_steps = (
+            int(warmup_steps), int(r_max_steps), int(d_max_steps))
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, r_max={self.r_max}, d_max={self.d_max}, "
+                f"warmup_steps={self.warmup_steps}, r_max_steps={self.r_max_steps}, "
+                f"d_max_steps={self.d_max_steps}")
+
+    def current_limits(self) -> tuple[float, float]:
+        """``(r_max, d_max)`` for the next training step."""
+        return renorm_limits(int(self.num_batches_tracked), self.r_max, self.d_max,
+                             self.warmup_steps, self.r_max_steps, self.d_max_steps)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return super().forward(input)
+        self._check_input_dim(input)
+        r_max, d_max = self.current_limits()
+        factor = self._momentum_factor()
+        dims = (0, *range(2, input.dim()))
+        count = _stats.reduced_count(input.shape, dims)
+        if count <= 1:  # empty batch or one value per channel: BatchNorm's answer
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
+                                self.bias, True, factor, self.eps, backend=self.backend)
+        xhat, mean, var = normalize(input, dims, None, None, self.eps, backend=self.backend)
+        view = mean.shape
+        with torch.no_grad():  # r and d are constants for autograd (stop-gradient)
+            sigma = torch.sqrt(self.running_var.view(view).to(var.dtype) + self.eps)
+            r = (torch.sqrt(var + self.eps) / sigma).clamp(1.0 / r_max, r_max)
+            d = ((mean - self.running_mean.view(view).to(mean.dtype)) / sigma).clamp(
+                -d_max, d_max)
+            _stats.update_running_(self.running_mean, mean.view(-1), factor)
+            batch_var = _stats.unbiased_var(var, count) if self.unbiased_running_var else var
+            _stats.update_running_(self.running_var, batch_var.view(-1), factor)
+        w = affine_view(self.weight, view)
+        b = affine_view(self.bias, view)
+        scale = r if w is None else w * r
+        shift = d if w is None else w * d
+        if b is not None:
+            shift = shift + b
+        return torch.addcmul(shift, xhat, scale).to(input.dtype)
+
+
+class BatchRenorm1d(_BatchRenormForward, nn.BatchNorm1d):
+    _ndims = (2, 3)
+    _shape_doc = "(N, C) or (N, C, L)"
+    __doc__ = _RENORM_DOC.format(name="BatchRenorm1d", parent="BatchNorm1d",
+                                 what="a 2D or 3D input", example="8, 3",
+                                 shape=":math:`(N, C)` or :math:`(N, C, L)`")
+
+
+class BatchRenorm2d(_BatchRenormForward, nn.BatchNorm2d):
+    _ndims = (4,)
+    _shape_doc = "(N, C, H, W)"
+    __doc__ = _RENORM_DOC.format(name="BatchRenorm2d", parent="BatchNorm2d",
+                                 what="a 4D input", example="8, 3, 4, 4",
+                                 shape=":math:`(N, C, H, W)`")
+
+
+class BatchRenorm3d(_BatchRenormForward, nn.BatchNorm3d):
+    _ndims = (5,)
+    _shape_doc = "(N, C, D, H, W)"
+    __doc__ = _RENORM_DOC.format(name="BatchRenorm3d", parent="BatchNorm3d",
+                                 what="a 5D input", example="4, 3, 2, 4, 4",
+                                 shape=":math:`(N, C, D, H, W)`")
+

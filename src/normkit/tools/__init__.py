@@ -1,0 +1,1 @@
+"""Model-level operations: precise statistics, freezing, conversion."""

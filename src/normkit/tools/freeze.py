@@ -1,0 +1,66 @@
+"""Freeze and unfreeze every BatchNorm of a model (copies; the caller's model is untouched)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .._surgery import replace_modules
+from ..norms.batch import (
+    FrozenBatchNorm,
+    FrozenBatchNorm1d,
+    FrozenBatchNorm2d,
+    FrozenBatchNorm3d,
+)
+
+__all__ = ["freeze_batchnorm", "unfreeze_batchnorm"]
+
+_BY_RANK = ((nn.BatchNorm1d, FrozenBatchNorm1d), (nn.BatchNorm2d, FrozenBatchNorm2d),
+            (nn.BatchNorm3d, FrozenBatchNorm3d))
+
+
+def _frozen_class(bn: nn.Module) -> type[FrozenBatchNorm]:
+    for parent, frozen in _BY_RANK:
+        if isinstance(bn, parent):
+            return frozen
+    return FrozenBatchNorm  # SyncBatchNorm and other rank-agnostic BatchNorms
+
+
+def freeze_batchnorm(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose BatchNorm layers are FrozenBatchNorm (eval behaviour, fixed).
+
+    Every torch or normkit BatchNorm (SyncBatchNorm and BatchRenorm included) becomes a
+    :class:`normkit.FrozenBatchNorm` of the matching rank holding its running statistics
+    and affine parameters as buffers: ``model.train()`` no longer changes them and the
+    optimizer no longer sees them, while gradients still flow to earlier layers.
+    Raises ValueError when the model holds no BatchNorm, or one without running
+    statistics.
+
+    Example:
+        >>> import torch, normkit
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+        >>> frozen = normkit.freeze_batchnorm(net).train()
+        >>> type(frozen[1]).__name__, len(list(frozen.parameters()))
+        ('FrozenBatchNorm2d', 2)
+    """
+    def match(module):
+        return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+    return replace_modules(model, match, lambda bn: _frozen_class(bn).from_batchnorm(bn),
+                           "BatchNorm layers")
+
+
+def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose FrozenBatchNorm layers are trainable normkit BatchNorms.
+
+    The running statistics and affine values carry over; ``num_batches_tracked``
+    starts at 0 and ``momentum`` is torch's default 0.1. Raises ValueError when the
+    model holds no FrozenBatchNorm.
+
+    Example:
+        >>> import torch, normkit
+        >>> frozen = torch.nn.Sequential(normkit.FrozenBatchNorm2d(4))
+        >>> type(normkit.unfreeze_batchnorm(frozen)[0]).__name__
+        'BatchNorm2d'
+    """
+    return replace_modules(model, lambda m: isinstance(m, FrozenBatchNorm),
+                           lambda frozen: frozen.to_batchnorm(), "FrozenBatchNorm layers")
