@@ -117,3 +117,9 @@ def test_convert_errors_say_what_is_missing():
         normkit.convert_sync_batchnorm(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="SyncBatchNorm layers"):
         normkit.revert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+
+
+def test_classmethod_conversion_builds_normkit_layers():
+    net = torch.nn.Sequential(torch.nn.BatchNorm1d(3))
+    converted = normkit.SyncBatchNorm.convert_sync_batchnorm(net)
+    assert type(converted[0]) is normkit.SyncBatchNorm and type(net[0]) is torch.nn.BatchNorm1d

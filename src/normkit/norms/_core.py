@@ -46,6 +46,17 @@ def check_floating(x: Tensor, who: str) -> None:
         )
 
 
+def check_channels(module, input: Tensor, channels: int) -> None:
+    """A module's check for floating ``(N, channels, *)`` input, in the module's name."""
+    name = type(module).__name__
+    check_floating(input, name)
+    if input.dim() < 2 or input.shape[1] != channels:
+        raise ValueError(
+            f"{name} expected input of shape (N, {channels}, *) with {channels} channels "
+            f"(dim 1), got input of shape {shape_str(input)}"
+        )
+
+
 def shape_str(x: Tensor) -> str:
     """``(8, 3, 32, 32)``: a shape the way users write it."""
     return "(" + ", ".join(str(s) for s in x.shape) + ")"

@@ -8,7 +8,14 @@ from torch import Tensor, nn
 from .. import _stats
 from .. import functional as F
 from ._base import BackendMixin
-from ._core import affine_view, check_floating, normalize, scale_shift, shape_str
+from ._core import (
+    affine_view,
+    check_channels,
+    check_floating,
+    normalize,
+    scale_shift,
+    shape_str,
+)
 
 __all__ = [
     "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "check_batch_input",
@@ -67,11 +74,7 @@ def check_batch_input(module: nn.Module, input: Tensor, ndims: tuple[int, ...],
             f"{name} expected {expected} input {shape_doc}, got a "
             f"{input.dim()}D input of shape {shape_str(input)}"
         )
-    if input.dim() < 2 or input.shape[1] != module.num_features:
-        raise ValueError(
-            f"{name} expected input of shape (N, {module.num_features}, *) with "
-            f"{module.num_features} channels (dim 1), got input of shape {shape_str(input)}"
-        )
+    check_channels(module, input, module.num_features)
 
 
 class _BatchNormForward(BackendMixin):

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from .. import functional as F
 from ._base import BackendMixin
-from ._core import check_floating, shape_str
+from ._core import check_channels, check_floating, shape_str
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
@@ -41,13 +41,7 @@ class GroupNorm(BackendMixin, nn.GroupNorm):
     """
 
     def forward(self, input: Tensor) -> Tensor:
-        name = type(self).__name__
-        check_floating(input, name)
-        if input.dim() < 2 or input.shape[1] != self.num_channels:
-            raise ValueError(
-                f"{name} expected input of shape (N, {self.num_channels}, *), got input "
-                f"of shape {shape_str(input)}"
-            )
+        check_channels(self, input, self.num_channels)
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
                             backend=self.backend)
 

@@ -6,7 +6,7 @@ from torch import Tensor, nn
 
 from .. import functional as F
 from ._base import BackendMixin
-from ._core import check_floating, shape_str
+from ._core import check_channels
 
 __all__ = ["LayerNorm", "RMSNorm", "LayerNorm2d"]
 
@@ -109,11 +109,5 @@ class LayerNorm2d(BackendMixin, nn.LayerNorm):
         return self.normalized_shape[0]
 
     def forward(self, input: Tensor) -> Tensor:
-        name = type(self).__name__
-        check_floating(input, name)
-        if input.dim() < 2 or input.shape[1] != self.num_channels:
-            raise ValueError(
-                f"{name} expected input of shape (N, {self.num_channels}, *), got input "
-                f"of shape {shape_str(input)}"
-            )
+        check_channels(self, input, self.num_channels)
         return F.layer_norm2d(input, self.weight, self.bias, self.eps, backend=self.backend)

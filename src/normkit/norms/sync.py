@@ -189,6 +189,15 @@ class SyncBatchNorm(_BatchNormForward, nn.SyncBatchNorm):
     _ndims = ()
     _shape_doc = "(N, C, *)"
 
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
+        """normkit's :func:`convert_sync_batchnorm` (returns a converted copy).
+
+        Overrides torch's classmethod, which would build ``torch.nn.SyncBatchNorm``
+        layers (CPU-incapable) and convert in place.
+        """
+        return convert_sync_batchnorm(module, process_group)
+
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
         factor = self._momentum_factor()
