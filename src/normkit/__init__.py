@@ -29,10 +29,12 @@ from .norms.batch import (
 from .norms.group import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .norms.layer import LayerNorm, LayerNorm2d, RMSNorm
 from .norms.sync import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from .norms.mean_only import MeanOnlyBatchNorm1d, MeanOnlyBatchNorm2d
 from .recurrent import LayerNormLSTM, LayerNormLSTMCell
 from .registry import default_num_groups, get_norm_layer, norm_names, register_norm
 from .tools.freeze import freeze_batchnorm, unfreeze_batchnorm
 from .tools.precise import update_bn_stats
+from .weights import WeightNorm, data_dependent_init_, remove_weight_norm, weight_norm
 
 __version__ = "0.1.0"
 
@@ -70,4 +72,10 @@ __all__ = [
     "renorm_limits",
     "LayerNormLSTM",
     "LayerNormLSTMCell",
+    "weight_norm",
+    "remove_weight_norm",
+    "data_dependent_init_",
+    "WeightNorm",
+    "MeanOnlyBatchNorm1d",
+    "MeanOnlyBatchNorm2d",
 ]
