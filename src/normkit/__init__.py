@@ -28,8 +28,8 @@ from .norms.batch import (
 )
 from .norms.group import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .norms.layer import LayerNorm, LayerNorm2d, RMSNorm
-from .norms.sync import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from .norms.mean_only import MeanOnlyBatchNorm1d, MeanOnlyBatchNorm2d
+from .norms.sync import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from .recurrent import LayerNormLSTM, LayerNormLSTMCell
 from .registry import default_num_groups, get_norm_layer, norm_names, register_norm
 from .tools.freeze import freeze_batchnorm, unfreeze_batchnorm
