@@ -12,6 +12,7 @@ Example:
 """
 
 from . import conventions, functional
+from .data import StandardizedModel, Standardizer
 from .norms.batch import (
     BatchNorm,
     BatchNorm1d,
@@ -41,6 +42,8 @@ __version__ = "0.1.0"
 __all__ = [
     "conventions",
     "functional",
+    "Standardizer",
+    "StandardizedModel",
     "BatchNorm",
     "BatchNorm1d",
     "BatchNorm2d",
