@@ -33,7 +33,10 @@ from .norms.mean_only import MeanOnlyBatchNorm1d, MeanOnlyBatchNorm2d
 from .norms.sync import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from .recurrent import LayerNormLSTM, LayerNormLSTMCell
 from .registry import default_num_groups, get_norm_layer, norm_names, register_norm
+from .tools.clip import AGC, adaptive_clip_grad_
+from .tools.convert import convert_norms, patch, unpatch
 from .tools.freeze import freeze_batchnorm, unfreeze_batchnorm
+from .tools.init import init_norms_
 from .tools.precise import update_bn_stats
 from .weights import WeightNorm, data_dependent_init_, remove_weight_norm, weight_norm
 
@@ -81,4 +84,10 @@ __all__ = [
     "WeightNorm",
     "MeanOnlyBatchNorm1d",
     "MeanOnlyBatchNorm2d",
+    "convert_norms",
+    "patch",
+    "unpatch",
+    "init_norms_",
+    "adaptive_clip_grad_",
+    "AGC",
 ]

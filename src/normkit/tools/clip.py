@@ -1,0 +1,155 @@
+"""Adaptive gradient clipping (Brock et al. 2021, NFNets), unit-wise."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["adaptive_clip_grad_", "unitwise_norm", "AGC"]
+
+
+def unitwise_norm(x: Tensor) -> Tensor:
+    """The 2-norm of each unit of ``x``, broadcastable against it (float32 or better).
+
+    A unit is a slice along dim 0, the output unit of ``Linear`` and ``ConvNd`` weights
+    ``(out, in, *k)``, normed over every other dim whatever the memory layout; vectors and
+    scalars (biases, gains) are normed elementwise, as in NFNets.
+
+    Example:
+        >>> unitwise_norm(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))
+        tensor([[5.],
+                [1.]])
+    """
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if x.dim() <= 1:
+        return x.abs().to(compute)
+    return torch.linalg.vector_norm(x, 2, tuple(range(1, x.dim())), keepdim=True, dtype=compute)
+
+
+@torch.no_grad()
+def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: float = 0.01,
+                        eps: float = 1e-3) -> Tensor:
+    r"""Clip gradients unit-wise relative to their weights, in place (NFNets' AGC).
+
+    For every unit ``i`` (see :func:`unitwise_norm`) of every parameter ``W`` with
+    gradient ``G``:
+
+    .. math:: G_i \leftarrow G_i \cdot \frac{\lambda \max(\lVert W_i\rVert, \epsilon)}
+              {\lVert G_i \rVert} \quad \text{if} \quad
+              \frac{\lVert G_i\rVert}{\max(\lVert W_i\rVert, \epsilon)} > \lambda
+
+    The ``eps`` keeps zero-initialized weights (biases, a zero-init residual gamma) from
+    freezing. Brock et al. use ``clip_factor`` 0.01 at large batch and never clip the
+    final classifier (see :class:`AGC`'s ``exclude``).
+
+    Args:
+        parameters: tensors (or one tensor) whose ``.grad`` is clipped.
+        clip_factor: the largest allowed ``||G_i|| / max(||W_i||, eps)``. Default: ``0.01``.
+        eps: floor of the weight norm. Default: ``1e-3``.
+
+    Returns:
+        The number of units clipped (a tensor, so no device sync is forced).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.tensor([[3.0, 4.0]]))
+        >>> w.grad = torch.tensor([[30.0, 40.0]])
+        >>> adaptive_clip_grad_([w], clip_factor=0.1)
+        tensor(1)
+        >>> w.grad
+        tensor([[0.3000, 0.4000]])
+    """
+    if clip_factor <= 0 or eps <= 0:
+        raise ValueError(f"expected clip_factor > 0 and eps > 0, got clip_factor={clip_factor}"
+                         f", eps={eps}")
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    clipped = torch.zeros((), dtype=torch.int64)
+    for p in parameters:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise ValueError("adaptive_clip_grad_ expected dense gradients, got a sparse one")
+        max_norm = unitwise_norm(p.detach()).clamp_(min=eps).mul_(clip_factor)
+        grad_norm = unitwise_norm(p.grad)
+        too_big = grad_norm > max_norm
+        scale = torch.where(too_big, max_norm / grad_norm.clamp(min=1e-6), 1.0)
+        p.grad.mul_(scale.to(p.grad.dtype))
+        clipped = clipped.to(too_big.device) + too_big.sum()
+    return clipped
+
+
+def _params_of(items) -> list[Tensor]:
+    out: list[Tensor] = []
+    for item in items:
+        if isinstance(item, nn.Module):
+            out.extend(item.parameters())
+        elif isinstance(item, Tensor):
+            out.append(item)
+        else:
+            raise TypeError(f"exclude expects parameters or modules (or names with model=), "
+                            f"got {type(item).__name__}")
+    return out
+
+
+class AGC:
+    """Wrap an optimizer so every ``step()`` applies adaptive gradient clipping first.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; everything but ``step`` is forwarded.
+        clip_factor, eps: see :func:`adaptive_clip_grad_`.
+        exclude: parameters, modules, or (with ``model``) module/parameter names whose
+            gradients are never clipped: Brock et al. leave the final classifier alone.
+        model: resolves names in ``exclude``.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+        ...                           torch.nn.Linear(8, 2))
+        >>> opt = AGC(torch.optim.SGD(net.parameters(), lr=0.1), exclude=["2"], model=net)
+        >>> net(torch.randn(3, 4)).sum().backward()
+        >>> opt.step()
+        >>> opt.zero_grad()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, clip_factor: float = 0.01,
+                 eps: float = 1e-3, *, exclude: Iterable = (), model: nn.Module | None = None):
+        self.optimizer = optimizer
+        self.clip_factor, self.eps = clip_factor, eps
+        names = [e for e in exclude if isinstance(e, str)]
+        others = [e for e in exclude if not isinstance(e, str)]
+        excluded = _params_of(others)
+        if names:
+            if model is None:
+                raise ValueError(f"exclude names {names} need model= to resolve them")
+            modules, params = dict(model.named_modules()), dict(model.named_parameters())
+            for name in names:
+                if name in modules:
+                    excluded.extend(modules[name].parameters())
+                elif name in params:
+                    excluded.append(params[name])
+                else:
+                    raise ValueError(f"exclude name {name!r} is neither a module nor a "
+                                     f"parameter of the model")
+        self._excluded = {id(p) for p in excluded}
+
+    def clip_(self) -> Tensor:
+        """Clip the gradients of every non-excluded parameter; return units clipped."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]
+                  if id(p) not in self._excluded]
+        return adaptive_clip_grad_(params, self.clip_factor, self.eps)
+
+    def step(self, closure=None):
+        """Clip, then take the wrapped optimizer's step."""
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            self.clip_()
+            self.optimizer.step()
+            return loss
+        self.clip_()
+        return self.optimizer.step()
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)

@@ -1,0 +1,257 @@
+"""Swap normalization families in a model, and patch torch.nn norms with normkit's.
+
+Both work on copies: the caller's model is never modified.
+
+* :func:`convert_norms` replaces norm layers by another family through the registry
+  (BatchNorm -> GroupNorm for small batches, LayerNorm -> RMSNorm, ...), keeping the
+  channel count and the layout each layer normalizes, and copying affine parameters
+  where they mean the same thing.
+* :func:`patch` replaces every torch.nn norm by its normkit drop-in (same state, same
+  outputs, robust statistics); :func:`unpatch` goes back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .._surgery import replace_modules
+from ..norms import batch as nk_batch
+from ..norms import group as nk_group
+from ..norms import layer as nk_layer
+from ..norms import sync as nk_sync
+from ..registry import _canon, default_num_groups, get_norm_layer
+
+__all__ = ["convert_norms", "patch", "unpatch", "is_norm_layer"]
+
+# torch.nn class -> normkit drop-in (exact types: user subclasses are left alone)
+_DROP_INS: dict[type, type] = {
+    nn.BatchNorm1d: nk_batch.BatchNorm1d,
+    nn.BatchNorm2d: nk_batch.BatchNorm2d,
+    nn.BatchNorm3d: nk_batch.BatchNorm3d,
+    nn.SyncBatchNorm: nk_sync.SyncBatchNorm,
+    nn.LayerNorm: nk_layer.LayerNorm,
+    nn.RMSNorm: nk_layer.RMSNorm,
+    nn.GroupNorm: nk_group.GroupNorm,
+    nn.InstanceNorm1d: nk_group.InstanceNorm1d,
+    nn.InstanceNorm2d: nk_group.InstanceNorm2d,
+    nn.InstanceNorm3d: nk_group.InstanceNorm3d,
+}
+_TORCH_OF = {nk: tc for tc, nk in _DROP_INS.items()}
+_NORMKIT_ATTRS = ("backend", "unbiased_running_var")
+
+_CHANNELS_FIRST = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm,
+                   nn.modules.instancenorm._InstanceNorm, nk_batch.FrozenBatchNorm,
+                   nk_layer.LayerNorm2d)
+_LAST_DIM = (nn.LayerNorm, nn.RMSNorm)
+
+
+def is_norm_layer(module: nn.Module) -> bool:
+    """True for every normalization layer normkit knows (torch's and its own).
+
+    Example:
+        >>> import torch
+        >>> is_norm_layer(torch.nn.GroupNorm(2, 4)), is_norm_layer(torch.nn.Linear(2, 2))
+        (True, False)
+    """
+    return isinstance(module, _CHANNELS_FIRST + _LAST_DIM)
+
+
+def _channels(module: nn.Module) -> int:
+    if isinstance(module, nk_layer.LayerNorm2d):
+        return module.num_channels
+    if isinstance(module, nn.GroupNorm):
+        return module.num_channels
+    if isinstance(module, _LAST_DIM):
+        return int(module.normalized_shape[-1])
+    return int(module.num_features)
+
+
+def _rank_class(source: nn.Module, by_rank: tuple[type, type, type], generic: type | None):
+    for torch_cls, target in zip((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), by_rank,
+                                 strict=True):
+        if isinstance(source, torch_cls):
+            return target
+    for torch_cls, target in zip((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d),
+                                 by_rank, strict=True):
+        if isinstance(source, torch_cls):
+            return target
+    for frozen, target in zip((nk_batch.FrozenBatchNorm1d, nk_batch.FrozenBatchNorm2d,
+                               nk_batch.FrozenBatchNorm3d), by_rank, strict=True):
+        if isinstance(source, frozen):
+            return target
+    return generic
+
+
+def _target_factory(to: str, source: nn.Module, name: str) -> Callable[..., nn.Module]:
+    """The constructor ``f(channels, **kw)`` of family ``to`` for the layout ``source`` has."""
+    key = _canon(to)
+    channels_first = isinstance(source, _CHANNELS_FIRST)
+    if key in ("none", "identity"):
+        return lambda channels, **kw: nn.Identity()
+    if channels_first:
+        if key in ("bn", "batchnorm", "bn1d", "bn2d", "bn3d", "batchnorm1d", "batchnorm2d",
+                   "batchnorm3d"):
+            return _rank_class(source, (nk_batch.BatchNorm1d, nk_batch.BatchNorm2d,
+                                        nk_batch.BatchNorm3d), nk_batch.BatchNorm)
+        if key in ("gn", "groupnorm"):
+            def group_norm(channels, num_groups=None, **kw):
+                groups = default_num_groups(channels) if num_groups is None else num_groups
+                return nk_group.GroupNorm(groups, channels, **kw)
+            return group_norm
+        if key in ("in", "instancenorm", "in1d", "in2d", "in3d", "instancenorm1d",
+                   "instancenorm2d", "instancenorm3d"):
+            target = _rank_class(source, (nk_group.InstanceNorm1d, nk_group.InstanceNorm2d,
+                                          nk_group.InstanceNorm3d), None)
+            if target is None:
+                raise ValueError(
+                    f"cannot convert {type(source).__name__} at {name!r} to InstanceNorm: its "
+                    "input rank is unknown (expected a BatchNorm1d/2d/3d or InstanceNorm "
+                    "source); pass to=normkit.InstanceNorm2d (a class) instead")
+            return target
+        if key in ("ln", "layernorm", "ln2d", "layernorm2d"):
+            return nk_layer.LayerNorm2d  # LayerNorm over dim 1, the dim this layer normalizes
+        raise ValueError(
+            f"cannot convert {type(source).__name__} at {name!r} (normalizes the channel dim 1 "
+            f"of (N, C, *)) to {to!r}; expected one of bn, gn, in, ln/ln2d, none")
+    if key in ("ln", "layernorm"):
+        return nk_layer.LayerNorm
+    if key in ("rms", "rmsnorm"):
+        return nk_layer.RMSNorm
+    raise ValueError(
+        f"cannot convert {type(source).__name__} at {name!r} (normalizes the last dims) to "
+        f"{to!r}; expected one of ln, rms, none")
+
+
+def _copy_affine(source: nn.Module, target: nn.Module) -> list[str]:
+    """Copy weight/bias when both exist with the same shape; return what was dropped."""
+    dropped = []
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            src = getattr(source, name, None)
+            dst = getattr(target, name, None)
+            if not isinstance(src, torch.Tensor):
+                continue
+            if isinstance(dst, torch.Tensor) and dst.shape == src.shape:
+                dst.copy_(src)
+            elif src.numel() and not (name == "weight" and torch.all(src == 1)) and not (
+                    name == "bias" and torch.all(src == 0)):
+                dropped.append(name)
+    return dropped
+
+
+def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
+    """A copy of ``model`` whose normalization layers are of another family.
+
+    Each layer keeps its channel count and the dimension it normalizes: a channels-first
+    layer (BatchNorm, GroupNorm, InstanceNorm, LayerNorm2d, FrozenBatchNorm) can become
+    ``"bn"``, ``"gn"`` (group count: the largest divisor of C up to 32, or
+    ``num_groups=``), ``"in"``, ``"ln"`` (as :class:`normkit.LayerNorm2d`) or ``"none"``;
+    a last-dim layer (LayerNorm, RMSNorm) can become ``"ln"``, ``"rms"`` or ``"none"``.
+    Anything else raises a ValueError naming the layer. ``weight``/``bias`` are copied
+    when the target has them with the same shape; a non-trivial one that cannot be kept
+    (LayerNorm's bias into RMSNorm) is reported with a warning. Running statistics are
+    not copied (they belong to BatchNorm).
+
+    Args:
+        model: the model (not modified).
+        to: a registry name (see above), or a class / callable ``f(channels, **kw)``.
+        where: which layers: ``None`` (every norm layer), a class or tuple of classes,
+            or a predicate ``where(name, module) -> bool``.
+        **kwargs: passed to the new layers (``eps``, ``num_groups``, ``affine``, ...).
+
+    Example:
+        >>> import torch, normkit
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 3), torch.nn.BatchNorm2d(64))
+        >>> normkit.convert_norms(net, "gn")[1]
+        GroupNorm(32, 64, eps=1e-05, affine=True, bias=True)
+        >>> normkit.convert_norms(net, "ln")[1]
+        LayerNorm2d((64,), eps=1e-05, elementwise_affine=True, bias=True)
+    """
+    if where is None:
+        def selected(name, module):
+            return is_norm_layer(module)
+    elif isinstance(where, type) or (isinstance(where, tuple) and all(
+            isinstance(w, type) for w in where)):
+        def selected(name, module):
+            return isinstance(module, where)
+    elif callable(where):
+        selected = where
+    else:
+        raise TypeError(f"where must be None, a class, a tuple of classes or a predicate "
+                        f"(name, module) -> bool, got {type(where).__name__}")
+
+    def match(name, module):
+        return is_norm_layer(module) and bool(selected(name, module))
+
+    def build(name, source):
+        if isinstance(to, str):
+            target = _target_factory(to, source, name)(_channels(source), **kwargs)
+        else:  # a class, partial or callable: the registry knows GroupNorm's argument order
+            target = get_norm_layer(to, _channels(source), **kwargs)
+        ref = next(iter(source.parameters()), next(iter(source.buffers()), None))
+        if ref is not None:
+            target = target.to(device=ref.device, dtype=ref.dtype)
+        dropped = _copy_affine(source, target)
+        if dropped and not isinstance(target, nn.Identity):  # "none" drops them by request
+            warnings.warn(f"convert_norms: {type(target).__name__} at {name!r} has no place "
+                          f"for the {type(source).__name__}'s {' and '.join(dropped)}; "
+                          "dropped", stacklevel=5)
+        return target.train(source.training)
+
+    what = "normalization layers" + ("" if where is None else " selected by where")
+    return replace_modules(model, match, build, what, with_names=True)
+
+
+def _retype(module: nn.Module, cls: type, add_normkit: bool) -> nn.Module:
+    """The same layer as an instance of ``cls``: state, hooks and attributes carried over."""
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    if add_normkit:
+        new.backend = getattr(module, "backend", "auto")
+        if issubclass(cls, nk_batch._BatchNormForward):
+            new.unbiased_running_var = getattr(module, "unbiased_running_var", True)
+    else:
+        for attr in _NORMKIT_ATTRS:
+            new.__dict__.pop(attr, None)
+    return new
+
+
+def patch(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every torch.nn norm replaced by its normkit drop-in.
+
+    Exact torch classes only (``BatchNorm*d``, ``SyncBatchNorm``, ``LayerNorm``,
+    ``RMSNorm``, ``GroupNorm``, ``InstanceNorm*d``); user subclasses are left alone.
+    Parameters, buffers, hooks and settings carry over, so the ``state_dict`` and the
+    outputs are the same (up to normkit's more precise statistics). Raises ValueError
+    when there is nothing to patch.
+
+    Example:
+        >>> import torch, normkit
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+        >>> type(normkit.patch(net)[1]).__module__
+        'normkit.norms.layer'
+    """
+    return replace_modules(model, lambda m: type(m) in _DROP_INS,
+                           lambda m: _retype(m, _DROP_INS[type(m)], True),
+                           "torch.nn normalization layers to patch")
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every normkit drop-in turned back into its torch.nn class.
+
+    Layers torch has no class for (LayerNorm2d, BatchRenorm, FrozenBatchNorm, ...) stay
+    as they are. Raises ValueError when there is nothing to unpatch.
+
+    Example:
+        >>> import torch, normkit
+        >>> net = torch.nn.Sequential(normkit.GroupNorm(2, 4))
+        >>> type(normkit.unpatch(net)[0]) is torch.nn.GroupNorm
+        True
+    """
+    return replace_modules(model, lambda m: type(m) in _TORCH_OF,
+                           lambda m: _retype(m, _TORCH_OF[type(m)], False),
+                           "normkit drop-in layers to unpatch")

@@ -1,0 +1,109 @@
+"""convert_norms, patch and unpatch: copies, the right layouts, state carried over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import normkit
+
+
+def _cnn():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 48, 3), nn.BatchNorm2d(48), nn.ReLU(),
+                        nn.Conv2d(48, 8, 3), nn.GroupNorm(4, 8), nn.InstanceNorm2d(8, affine=True))
+    with torch.no_grad():
+        for m in net:
+            if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.InstanceNorm2d)):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-1, 1)
+    return net
+
+
+def test_bn_to_group_norm_keeps_channels_affine_and_the_original():
+    net = _cnn()
+    converted = normkit.convert_norms(net, "gn", where=nn.BatchNorm2d)
+    assert type(net[1]) is nn.BatchNorm2d  # untouched
+    gn = converted[1]
+    assert isinstance(gn, normkit.GroupNorm) and (gn.num_groups, gn.num_channels) == (24, 48)
+    torch.testing.assert_close(gn.weight, net[1].weight)
+    assert converted[4] is not net[4] and type(converted[4]) is nn.GroupNorm  # not selected
+    reference = nn.GroupNorm(24, 48)
+    reference.load_state_dict(gn.state_dict())
+    x = torch.randn(2, 3, 9, 9)
+    torch.testing.assert_close(converted[1](net[0](x)), reference(net[0](x)))
+
+
+def test_every_channels_first_family_keeps_its_dimension():
+    net = _cnn()  # BatchNorm2d at 1, GroupNorm at 4, InstanceNorm2d at 5
+    x = torch.randn(2, 3, 9, 9)
+    expected = {
+        "ln": (normkit.LayerNorm2d,) * 3,
+        "bn": (normkit.BatchNorm2d, normkit.BatchNorm, normkit.BatchNorm2d),  # GN: any rank
+        "none": (nn.Identity,) * 3,
+    }
+    for to, classes in expected.items():
+        converted = normkit.convert_norms(net, to)
+        assert tuple(type(converted[i]) for i in (1, 4, 5)) == classes, to
+        assert converted(x).shape == net(x).shape
+    converted = normkit.convert_norms(net, "in", where=(nn.BatchNorm2d, nn.InstanceNorm2d))
+    assert type(converted[1]) is normkit.InstanceNorm2d
+    with pytest.raises(ValueError, match="rank is unknown"):
+        normkit.convert_norms(net, "in")  # the GroupNorm's input rank is unknown
+    ln = normkit.convert_norms(net, "ln")
+    torch.testing.assert_close(ln[4].weight, net[4].weight)
+    torch.testing.assert_close(ln[1].bias, net[1].bias)
+
+
+def test_layer_norm_to_rms_norm_warns_about_the_dropped_bias():
+    net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+    with torch.no_grad():
+        net[1].bias.fill_(0.5)
+    with pytest.warns(UserWarning, match="bias"):
+        converted = normkit.convert_norms(net, "rms")
+    assert isinstance(converted[1], normkit.RMSNorm)
+    torch.testing.assert_close(converted[1].weight, net[1].weight)
+    plain = nn.Sequential(nn.LayerNorm(8))
+    assert isinstance(normkit.convert_norms(plain, "rms")[0], normkit.RMSNorm)  # no warning
+
+
+def test_class_targets_and_predicates():
+    net = _cnn()
+    converted = normkit.convert_norms(net, normkit.GroupNorm, num_groups=2,
+                                      where=lambda name, m: name == "1")
+    assert converted[1].num_groups == 2 and type(converted[4]) is nn.GroupNorm
+
+
+def test_impossible_conversions_name_the_layer():
+    with pytest.raises(ValueError, match="'1'.*rms"):
+        normkit.convert_norms(_cnn(), "rms")
+    with pytest.raises(ValueError, match="'1'.*'bn'"):
+        normkit.convert_norms(nn.Sequential(nn.Linear(2, 4), nn.LayerNorm(4)), "bn")
+    with pytest.raises(ValueError, match="normalization layers"):
+        normkit.convert_norms(nn.Linear(2, 2), "gn")
+    with pytest.raises(TypeError, match="where"):
+        normkit.convert_norms(_cnn(), "gn", where=3)
+
+
+def test_patch_and_unpatch_round_trip_with_equal_outputs_and_state():
+    net = _cnn()
+    net.add_module("ln", nn.Flatten())
+    net.add_module("ln2", nn.LayerNorm(8 * 5 * 5))
+    net.train()
+    net(torch.randn(4, 3, 9, 9))  # move BN statistics
+    patched = normkit.patch(net)
+    assert type(patched[1]) is normkit.BatchNorm2d and type(patched[4]) is normkit.GroupNorm
+    assert type(patched.ln2) is normkit.LayerNorm and type(net[1]) is nn.BatchNorm2d
+    assert patched.state_dict().keys() == net.state_dict().keys()
+    x = torch.randn(4, 3, 9, 9)
+    for mode in (True, False):
+        net.train(mode), patched.train(mode)
+        torch.testing.assert_close(patched(x), net(x), atol=2e-5, rtol=2e-5)
+    back = normkit.unpatch(patched)
+    assert type(back[1]) is nn.BatchNorm2d and not hasattr(back[1], "backend")
+    torch.testing.assert_close(back(x), net(x))
+    with pytest.raises(ValueError, match="to patch"):
+        normkit.patch(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="to unpatch"):
+        normkit.unpatch(net)
