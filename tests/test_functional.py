@@ -77,11 +77,52 @@ def test_functional_keeps_channels_last():
         assert y.is_contiguous(memory_format=torch.channels_last)
 
 
+def _path(y):
+    """The autograd node that computed ``y``, looking through views."""
+    fn = y.grad_fn
+    while type(fn).__name__.startswith(("View", "UnsafeView", "Permute", "Reshape")):
+        fn = fn.next_functions[0][0]
+    return type(fn).__name__
+
+
 def test_backend_is_read_at_call_time():
     ln = normkit.LayerNorm(6)
     x = torch.randn(3, 6, requires_grad=True)
-    ln(x).sum().backward()
-    assert "NormalizeFunction" in type(ln(x).grad_fn).__name__
+    assert _path(ln(x)) == "NativeLayerNormBackward0"  # well conditioned: torch's kernel
+    assert "NormalizeFunction" in _path(ln(x + 1e4))     # offset: the robust path
+    ln.backend = "eager"
+    assert "NormalizeFunction" in _path(ln(x))
     ln.backend = "reference"
-    assert "NormalizeFunction" not in type(ln(x).grad_fn).__name__
+    assert "NormalizeFunction" not in _path(ln(x)) and "Native" not in _path(ln(x))
     assert "backend='reference'" in repr(ln)
+
+
+@pytest.mark.parametrize("make,shape,layout,fast", [
+    (lambda: normkit.BatchNorm2d(4), (8, 4, 5, 5), "contiguous", "NativeBatchNorm"),
+    (lambda: normkit.BatchNorm2d(4), (8, 4, 5, 5), "channels_last", "NativeBatchNorm"),
+    (lambda: normkit.GroupNorm(2, 4), (8, 4, 5, 5), "contiguous", "NativeGroupNorm"),
+    (lambda: normkit.GroupNorm(2, 4), (8, 4, 5, 5), "channels_last", None),
+    (lambda: normkit.LayerNorm2d(4), (8, 4, 5, 5), "channels_last", "NativeLayerNorm"),
+    (lambda: normkit.LayerNorm2d(4), (8, 4, 5, 5), "contiguous", None),
+    (lambda: normkit.LayerNorm(5), (8, 4, 5, 5), "contiguous", "NativeLayerNorm"),
+], ids=["bn", "bn-cl", "gn", "gn-cl", "ln2d-cl", "ln2d", "ln"])
+def test_auto_uses_torchs_kernel_only_where_it_is_accurate(make, shape, layout, fast):
+    """Every fast path is taken on well-conditioned data and refused at an offset."""
+    module = make()
+    x = torch.randn(shape)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    path = _path(module(x))
+    assert (fast in path) if fast else ("NormalizeFunction" in path), path
+    offset = _path(module(x + 1e3))
+    assert "NormalizeFunction" in offset, offset
+
+
+def test_rejected_fast_path_does_not_double_count_running_stats():
+    nk, tm = normkit.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    x = torch.randn(16, 3, dtype=torch.float64).float() * 0.01 + 5.0  # ratio ~500: rejected
+    nk(x), tm(x)
+    torch.testing.assert_close(nk.running_mean, tm.running_mean)
+    torch.testing.assert_close(nk.running_var, tm.running_var, rtol=1e-3, atol=1e-7)
+    assert int(nk.num_batches_tracked) == 1

@@ -130,3 +130,29 @@ def test_unbatched_instance_norm_matches_torch():
     nk, tm = normkit.InstanceNorm2d(3, affine=True), torch.nn.InstanceNorm2d(3, affine=True)
     x = torch.randn(3, 5, 5)
     torch.testing.assert_close(nk(x), tm(x))
+
+
+@pytest.mark.parametrize("name,make,shape,layout,key", [
+    ("LayerNorm", lambda: __import__("normkit").LayerNorm(512), (64, 512), "contiguous",
+     "layer_norm"),
+    ("BatchNorm2d", lambda: __import__("normkit").BatchNorm2d(8), (32, 8, 9, 9), "contiguous",
+     "batch_norm"),
+    ("BatchNorm2d-cl", lambda: __import__("normkit").BatchNorm2d(8), (32, 8, 9, 9),
+     "channels_last", "batch_norm_channels_last"),
+    ("GroupNorm", lambda: __import__("normkit").GroupNorm(2, 8), (32, 8, 9, 9), "contiguous",
+     "group_norm"),
+])
+def test_fast_paths_stay_accurate_up_to_their_threshold(name, make, shape, layout, key):
+    """Near the threshold torch's kernel is used, and is still within 1e-5 of float64."""
+    from normkit.kernels.native import THRESHOLDS
+
+    ratio = 0.85 * THRESHOLDS[key]  # sampled groups' std varies by a few percent
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+         + ratio).float()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    module = make()
+    y = module(x.requires_grad_())
+    assert "Native" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    ref = reference_forward(module, x.detach().double(), input_dtype=torch.float32)
+    assert float((y.detach().double() - ref).abs().max()) < 1e-5

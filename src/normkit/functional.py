@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _stats
+from .kernels import native
 from .norms._core import affine_view, check_floating, normalize, scale_shift, shape_str
 
 __all__ = [
@@ -128,6 +129,10 @@ def batch_norm(
                 f"training=False, got running_mean={'None' if running_mean is None else 'a tensor'}"
                 f" and running_var={'None' if running_var is None else 'a tensor'}"
             )
+        if backend == "auto":
+            y = native.batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
+            if y is not None:
+                return y
         return scale_shift(input, running_mean.view(view), running_var.view(view), w, b, eps)
     dims = (0, *range(2, input.dim()))
     count = _stats.reduced_count(input.shape, dims)
@@ -139,6 +144,11 @@ def batch_norm(
         )
     if input.numel() == 0:
         return _empty_result(input, w, b)
+    if backend == "auto" and unbiased_running_var:
+        y = native.batch_norm_train(input, running_mean, running_var, weight, bias, momentum,
+                                    eps)
+        if y is not None:
+            return y
     y, mean, var = normalize(input, dims, w, b, eps, backend=backend)
     if running_mean is not None:
         _stats.update_running_(running_mean, mean.view(-1), momentum)
@@ -270,6 +280,10 @@ def layer_norm(
     dims = tuple(range(input.dim() - len(shape), input.dim()))
     if input.numel() == 0:
         return _empty_result(input, weight, bias)
+    if backend == "auto":
+        y = native.layer_norm(input, shape, weight, bias, eps)
+        if y is not None:
+            return y
     return normalize(input, dims, weight, bias, eps, backend=backend)[0]
 
 
@@ -330,6 +344,14 @@ def layer_norm2d(
     w, b = affine_view(weight, view), affine_view(bias, view)
     if input.numel() == 0:
         return _empty_result(input, w, b)
+    if backend == "auto":
+        # channels-last (or 2D) data already has C innermost: torch's LayerNorm over the
+        # last dim of the (N, *, C) view, no copies, then the view back
+        last = input.movedim(1, -1)
+        if last.is_contiguous():
+            y = native.layer_norm(last, (input.shape[1],), weight, bias, eps)
+            if y is not None:
+                return y.movedim(-1, 1)
     return normalize(input, (1,), w, b, eps, backend=backend)[0]
 
 
@@ -381,6 +403,10 @@ def group_norm(
     w, b = affine_view(weight, pview), affine_view(bias, pview)
     if input.numel() == 0:
         return _empty_result(grouped, w, b).reshape(input.shape)
+    if backend == "auto":
+        y = native.group_norm(input, num_groups, weight, bias, eps)
+        if y is not None:
+            return y
     dims = tuple(range(2, grouped.dim()))
     y = normalize(grouped, dims, w, b, eps, backend=backend)[0]
     return y.flatten(1, 2)
