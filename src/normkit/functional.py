@@ -34,6 +34,17 @@ __all__ = [
 ]
 
 
+def _channels_last_format(x: Tensor) -> torch.memory_format | None:
+    """``channels_last``(``_3d``) when ``x`` is laid out so and not also plainly contiguous."""
+    if x.is_contiguous():
+        return None
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return None
+
+
 def _channel_view(x: Tensor) -> tuple[int, ...]:
     """Broadcast shape of a per-channel parameter for ``(N, C, *)`` input."""
     return (1, x.shape[1]) + (1,) * (x.dim() - 2)
@@ -403,6 +414,12 @@ def group_norm(
     w, b = affine_view(weight, pview), affine_view(bias, pview)
     if input.numel() == 0:
         return _empty_result(grouped, w, b).reshape(input.shape)
+    layout = _channels_last_format(input)
+    if layout is not None:
+        # Grouped statistics over a channels_last tensor are strided reductions with a
+        # tiny inner extent (C/G), ~5x slower than on NCHW; one copy each way is cheaper.
+        y = group_norm(input.contiguous(), num_groups, weight, bias, eps, backend=backend)
+        return y.contiguous(memory_format=layout)
     if backend == "auto":
         y = native.group_norm(input, num_groups, weight, bias, eps)
         if y is not None:
