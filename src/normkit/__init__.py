@@ -35,9 +35,12 @@ from .recurrent import LayerNormLSTM, LayerNormLSTMCell
 from .registry import default_num_groups, get_norm_layer, norm_names, register_norm
 from .tools.clip import AGC, adaptive_clip_grad_
 from .tools.convert import convert_norms, patch, unpatch
+from .tools.doctor import DoctorReport, doctor
+from .tools.fold import FoldReport, fold_batchnorm, fold_bn_weights
 from .tools.freeze import freeze_batchnorm, unfreeze_batchnorm
 from .tools.init import init_norms_
 from .tools.precise import update_bn_stats
+from .tools.recommend import Recommendation, recommend
 from .weights import WeightNorm, data_dependent_init_, remove_weight_norm, weight_norm
 
 __version__ = "0.1.0"
@@ -90,4 +93,11 @@ __all__ = [
     "init_norms_",
     "adaptive_clip_grad_",
     "AGC",
+    "fold_batchnorm",
+    "fold_bn_weights",
+    "FoldReport",
+    "doctor",
+    "DoctorReport",
+    "recommend",
+    "Recommendation",
 ]
