@@ -22,7 +22,14 @@ from torch import Tensor
 
 from . import _stats
 from .kernels import native
-from .norms._core import affine_view, check_floating, normalize, scale_shift, shape_str
+from .norms._core import (
+    affine_view,
+    check_floating,
+    compiling,
+    normalize,
+    scale_shift,
+    shape_str,
+)
 
 __all__ = [
     "batch_norm",
@@ -140,7 +147,7 @@ def batch_norm(
                 f"training=False, got running_mean={'None' if running_mean is None else 'a tensor'}"
                 f" and running_var={'None' if running_var is None else 'a tensor'}"
             )
-        if backend == "auto":
+        if backend == "auto" and not compiling():
             y = native.batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
             if y is not None:
                 return y
@@ -155,7 +162,7 @@ def batch_norm(
         )
     if input.numel() == 0:
         return _empty_result(input, w, b)
-    if backend == "auto" and unbiased_running_var:
+    if backend == "auto" and unbiased_running_var and not compiling():
         y = native.batch_norm_train(input, running_mean, running_var, weight, bias, momentum,
                                     eps)
         if y is not None:
@@ -291,7 +298,7 @@ def layer_norm(
     dims = tuple(range(input.dim() - len(shape), input.dim()))
     if input.numel() == 0:
         return _empty_result(input, weight, bias)
-    if backend == "auto":
+    if backend == "auto" and not compiling():
         y = native.layer_norm(input, shape, weight, bias, eps)
         if y is not None:
             return y
@@ -355,7 +362,7 @@ def layer_norm2d(
     w, b = affine_view(weight, view), affine_view(bias, view)
     if input.numel() == 0:
         return _empty_result(input, w, b)
-    if backend == "auto":
+    if backend == "auto" and not compiling():
         # channels-last (or 2D) data already has C innermost: torch's LayerNorm over the
         # last dim of the (N, *, C) view, no copies, then the view back
         last = input.movedim(1, -1)
@@ -420,7 +427,7 @@ def group_norm(
         # tiny inner extent (C/G), ~5x slower than on NCHW; one copy each way is cheaper.
         y = group_norm(input.contiguous(), num_groups, weight, bias, eps, backend=backend)
         return y.contiguous(memory_format=layout)
-    if backend == "auto":
+    if backend == "auto" and not compiling():
         y = native.group_norm(input, num_groups, weight, bias, eps)
         if y is not None:
             return y

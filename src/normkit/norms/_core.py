@@ -28,6 +28,16 @@ from .. import _stats
 BACKENDS = ("auto", "reference", "eager")
 
 
+def compiling() -> bool:
+    """True while torch.compile traces the code.
+
+    Under compilation ``backend="auto"`` takes the reference math: it has no
+    data-dependent branches (``fullgraph=True`` works) and Inductor fuses its
+    elementwise passes and reductions into its own kernels.
+    """
+    return torch.compiler.is_compiling()
+
+
 def check_backend(backend: str) -> str:
     """Validate a backend name (see :data:`BACKENDS`)."""
     if backend not in BACKENDS:
@@ -204,7 +214,7 @@ def normalize(
     """
     check_backend(backend)
     dims = tuple(d % x.dim() for d in dims)
-    if backend == "reference":
+    if backend == "reference" or (backend == "auto" and compiling()):
         return reference_normalize(x, dims, weight, bias, eps, center)
     return NormalizeFunction.apply(x, weight, bias, dims, eps, center)
 
