@@ -134,13 +134,13 @@ class NormalizeFunction(torch.autograd.Function):
         if center:
             m = _stats.moments(xc, dims)
             mean_hi, mean_lo, var = m.mean_hi, m.mean_lo, m.var
-            y = m.shifted.sub_(m.mean_lo)
+            rstd = torch.rsqrt(var + eps)
+            y = m.shifted.sub_(m.mean_lo).mul_(rstd)  # in place on the shifted temporary
         else:
             var = _stats.mean_square(xc, dims)
             mean_hi = mean_lo = torch.zeros_like(var)
-            y = xc.clone() if xc is x else xc
-        rstd = torch.rsqrt(var + eps)
-        y.mul_(rstd)
+            rstd = torch.rsqrt(var + eps)
+            y = xc * rstd  # one pass, no copy of the input first
         if weight is not None:
             y.mul_(weight)
         if bias is not None:
@@ -158,10 +158,10 @@ class NormalizeFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             return _double_differentiable_backward(ctx, dy, x, weight, bias)
         dims, center = ctx.dims, ctx.center
-        xhat = _stats.upcast(x) - mean_hi
         if center:
-            xhat.sub_(mean_lo)
-        xhat.mul_(rstd)
+            xhat = (_stats.upcast(x) - mean_hi).sub_(mean_lo).mul_(rstd)
+        else:
+            xhat = _stats.upcast(x) * rstd
         g = _stats.upcast(dy)
         dx = dw = db = None
         if need_w:
