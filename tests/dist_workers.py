@@ -46,14 +46,20 @@ def channel_mismatch(rank, world):
     return {"error": None}
 
 
-def precise_stats(rank, world, batches_per_rank):
-    """update_bn_stats on this rank's batches of a small MLP; returns the statistics."""
+def precise_model_and_batches(batches_per_rank):
+    """The small MLP and every rank's batches (the same on every process)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), normkit.BatchNorm1d(4), torch.nn.ReLU(),
                                 torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(2)).double().eval()
     gen = torch.Generator().manual_seed(1)
-    all_batches = [torch.randn(n, 3, generator=gen, dtype=torch.float64) * 3 + 7
-                   for n in sum(batches_per_rank, [])]
+    batches = [torch.randn(n, 3, generator=gen, dtype=torch.float64) * 3 + 7
+               for n in sum(batches_per_rank, [])]
+    return model, batches
+
+
+def precise_stats(rank, world, batches_per_rank):
+    """update_bn_stats on this rank's batches of a small MLP; returns the statistics."""
+    model, all_batches = precise_model_and_batches(batches_per_rank)
     start = sum(len(b) for b in batches_per_rank[:rank])
     mine = all_batches[start:start + len(batches_per_rank[rank])]
     counts = normkit.update_bn_stats(model, mine)

@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
-from dist_workers import channel_mismatch, full_batch, precise_stats, sync_bn_step
+from dist_workers import (
+    channel_mismatch,
+    full_batch,
+    precise_model_and_batches,
+    precise_stats,
+    sync_bn_step,
+)
 
 import normkit
 
@@ -65,13 +71,8 @@ def test_ranks_that_disagree_on_channels_all_raise_instead_of_hanging():
 def test_update_bn_stats_pools_across_ranks():
     batches = [[8, 5], [3], [6, 6]]
     results = run_ranks(precise_stats, 3, batches, timeout=90)
-    # single process over every rank's batches, in any order: the same statistics
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), normkit.BatchNorm1d(4), torch.nn.ReLU(),
-                                torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(2)).double().eval()
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randn(n, 3, generator=gen, dtype=torch.float64) * 3 + 7
-            for n in sum(batches, [])]
+    # single process over every rank's batches: the same statistics
+    model, data = precise_model_and_batches(batches)
     normkit.update_bn_stats(model, data)
     for r in results:
         assert r["counts"] == {"1": 28, "4": 28}
