@@ -6,6 +6,8 @@ Subcommands:
     doctor      run a model once on an example batch and diagnose its normalization
                 layers (see :mod:`normkit.tools.doctor`):
                 ``normkit doctor mymodels:make_model --input-shape 8,3,32,32``.
+    bench       time normkit's ops against torch in the same process
+                (see :mod:`normkit.bench`).
 
 The same entry point runs as ``python -m normkit``.
 """
@@ -27,7 +29,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="normkit: normalization layers for PyTorch.",
         epilog="Run 'normkit <subcommand> --help' for a subcommand's options.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{quickstart,doctor}",
+    sub = parser.add_subparsers(dest="command", metavar="{quickstart,doctor,bench}",
                                 title="subcommands")
     sub.add_parser(
         "quickstart",
@@ -39,6 +41,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "doctor",
         add_help=False,
         help="run a model once on an example batch and diagnose its normalization layers",
+    )
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="time forward, forward+backward and memory of normkit's ops against torch",
     )
     return parser
 
@@ -189,5 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return quickstart.main(rest, prog=f"{parser.prog} quickstart")
     if args.command == "doctor":
         return doctor_main(rest, prog=f"{parser.prog} doctor")
+    if args.command == "bench":
+        from .bench import cli as bench_cli
+
+        return bench_cli.main(rest, prog=f"{parser.prog} bench")
     parser.error(f"unknown subcommand {args.command!r}")
     return 2

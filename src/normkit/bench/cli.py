@@ -1,0 +1,210 @@
+"""``normkit bench``: the benchmark's command line (also ``python -m normkit.bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+
+from .ops import EXTERNALS, OPS, SHAPE_SETS, get_op, op_names
+from .report import to_json, to_markdown
+from .runner import DTYPES, INPUTS, BenchConfig, errors, plan, run
+
+__all__ = ["main", "build_parser"]
+
+_EPILOG = """\
+Ops (default: every op available here): {ops}.
+Fused ops come from normkit.norms.fused and are skipped while it lacks them.
+
+Shapes: 'standard' (transformer rows 4096 x 768/1024/4096/8192, CNN activations
+32x64x56x56 and 32x256x14x14 in NCHW and channels_last, small odd shapes 7x33 and
+3x5x7x9), 'small' (a reduced set for quick runs), or a comma list such as
+4096x1024,32x64x56x56:cl (':cl' = channels_last). 2- or 3-dim shapes feed the
+row ops (layer_norm, rms_norm, add_*), 4-dim ones the image ops.
+
+Output: the Markdown table on stdout (progress on stderr); --json and --markdown
+also write files ('--json -' prints the JSON instead of the table). Ratios are
+torch eager time / implementation time measured in the same process (> 1: faster
+than torch). Time is never asserted anywhere: read the numbers on a quiet machine.
+
+exit status: 0 every implementation ran, 1 some failed (listed in the report),
+2 usage error.
+
+example: normkit bench layer_norm rms_norm --threads 1,2 --json bench.json
+"""
+
+
+def _threads(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or a comma list such as 1,2, got {text!r}")
+    return tuple(dict.fromkeys(values))
+
+
+def build_parser(prog: str = "normkit bench") -> argparse.ArgumentParser:
+    """The argument parser of ``normkit bench``."""
+    parser = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG.format(ops=", ".join(op_names())),
+        description="Measure forward, forward+backward and peak memory of normkit's "
+        "normalization ops\nagainst torch eager in the same process (and torch.compile, "
+        "Liger-Kernel and apex\nwhere available): median ms, GB/s, % of this machine's copy "
+        "bandwidth and the\nratio to torch.")
+    parser.add_argument("ops", nargs="*", metavar="OP", help="ops to run (default: all)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="device (default: cpu)")
+    parser.add_argument("--threads", type=_threads, default=(1,), metavar="N[,N...]",
+                        help="CPU threads (torch.set_num_threads); a list runs the set once per "
+                        "count (default: 1)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="dtype of inputs and modules (default: float32)")
+    parser.add_argument("--shapes", default="standard", metavar="standard|small|SPEC",
+                        help="shape set or comma list of shapes (default: standard)")
+    parser.add_argument("--input", choices=tuple(INPUTS), default="randn",
+                        help="randn: well-conditioned (normkit keeps torch's fused kernels "
+                        "where accurate); offset: randn + 100 (normkit's compensated path) "
+                        "(default: randn)")
+    parser.add_argument("--repeats", type=int, default=15, metavar="R",
+                        help="timed rounds per pass (default: 15)")
+    parser.add_argument("--warmup", type=int, default=3, metavar="W",
+                        help="untimed calls per implementation first (default: 3)")
+    parser.add_argument("--min-time", type=float, default=2e-3, metavar="S",
+                        help="seconds one measurement lasts at least; calls repeat to reach it "
+                        "(default: 0.002)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time torch.compile of the torch module, reporting its "
+                        "first-call (compile) time separately")
+    parser.add_argument("--copy-mib", type=int, default=256, metavar="MIB",
+                        help="buffer size for the copy-bandwidth yardstick (default: 256)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
+    parser.add_argument("--json", metavar="FILE",
+                        help="write the results as JSON ('-': print it instead of the table)")
+    parser.add_argument("--markdown", metavar="FILE", help="write the Markdown table to FILE")
+    parser.add_argument("--list", action="store_true",
+                        help="list the ops, their baselines and the implementations, then exit")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return parser
+
+
+class _Progress:
+    """A rich progress bar on a terminal, else one plain line per finished pass (stderr)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.bar, self.task = enabled, None, None
+        if not enabled:
+            return
+        try:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+        except ImportError:
+            return
+        console = Console(stderr=True)
+        if console.is_terminal:
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                                MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            print(f"[{done}/{total}] {label}", file=sys.stderr, flush=True)
+            return
+        if self.task is None:
+            self.task = self.bar.add_task(label, total=total)
+        self.bar.update(self.task, completed=done, description=label)
+
+
+def _list_text(device: str) -> str:
+    lines = ["op | kind | normkit | torch baseline | status", "---|---|---|---|---"]
+    for op in OPS:
+        reason = op.available()
+        lines.append(f"{op.name} | {op.kind} | {op.normkit_doc} | {op.baseline_doc} | "
+                     f"{'available' if reason is None else reason}")
+    lines.append("")
+    lines.append("implementations: torch (eager, the reference), normkit, torch.compile "
+                 "(--compile)")
+    for ext in EXTERNALS:
+        reason = ext.status(device)
+        covers = ", ".join(ext.classes)
+        lines.append(f"  {ext.name} ({covers}): {'available' if reason is None else reason}")
+    sets = ", ".join(f"{name} ({len(shapes)} shapes)" for name, shapes in SHAPE_SETS.items())
+    lines.append(f"shape sets: {sets}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
+    """Run ``normkit bench``; returns the exit code (0 all ran, 1 some implementation failed).
+
+    Usage errors (an unknown op, whose message lists the valid ones, a bad shape, an
+    unavailable device) exit with code 2 through ``argparse``.
+
+    Example:
+        >>> import contextlib, io
+        >>> out = io.StringIO()
+        >>> with contextlib.redirect_stdout(out):
+        ...     code = main(["layer_norm", "--shapes", "4x8", "--repeats", "2", "--warmup",
+        ...                  "0", "--min-time", "0", "--copy-mib", "1", "--quiet"])
+        >>> code, "| op | shape | layout | pass | torch ms | normkit ms |" in out.getvalue()
+        (0, True)
+    """
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(args_list)
+    if args.list:
+        print(_list_text(args.device))
+        return 0
+    for name in args.ops:
+        try:
+            op = get_op(name)
+        except KeyError:
+            parser.error(f"unknown op {name!r}; valid ops: {', '.join(op_names())}")
+        reason = op.available()
+        if reason is not None:
+            parser.error(f"op {name!r} is not available here: {reason}")
+    try:
+        config = BenchConfig(ops=tuple(dict.fromkeys(args.ops)), device=args.device,
+                             threads=args.threads, dtype=args.dtype, shapes=args.shapes,
+                             input=args.input, repeats=args.repeats, warmup=args.warmup,
+                             min_time=args.min_time, compile=args.compile,
+                             copy_mib=args.copy_mib, seed=args.seed)
+    except ValueError as error:
+        parser.error(str(error))
+    cases, skipped = plan(config)
+    if not cases:
+        reasons = "; ".join(f"{item['op']}: {item['reason']}" for item in skipped)
+        parser.error(f"nothing to run with --shapes {args.shapes!r}: {reasons}")
+    command = " ".join([prog, shlex.join(args_list)]).strip()
+    with _Progress(not args.quiet) as progress:
+        doc = run(config, command=command, progress=progress)
+    markdown = to_markdown(doc)
+    if args.json == "-":
+        print(to_json(doc))
+    else:
+        print(markdown, end="")
+        if args.json is not None:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                handle.write(to_json(doc) + "\n")
+    if args.markdown is not None:
+        with open(args.markdown, "w", encoding="utf-8") as handle:
+            handle.write(markdown)
+    return 1 if errors(doc) else 0

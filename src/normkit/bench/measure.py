@@ -1,0 +1,206 @@
+"""Measurement primitives: interleaved timing, the copy-bandwidth yardstick, peak memory.
+
+Timing
+------
+Every implementation of a case runs in the same process, on the same tensors, with
+the same thread count. After a warm-up, each round times every implementation once,
+round-robin (the starting one rotates per round), so a burst of machine noise hits
+all of them rather than one; a measurement repeats the call ``number`` times, chosen
+so it lasts at least ``min_time`` (small shapes would otherwise time the clock). The
+summary is the median time of each implementation and the median over rounds of the
+per-round ratio ``reference time / implementation time``. On CUDA, times come from
+CUDA events around the calls, synchronized after each measurement.
+
+Peak memory
+-----------
+* CPU: there are no allocator statistics, so "peak memory" is what a training step
+  keeps alive between forward and backward: the bytes of the distinct storages
+  autograd saves for backward (seen through ``torch.autograd.graph.saved_tensors_hooks``,
+  so the input counts when it is saved) together with the outputs' storages. It is
+  deterministic, and it is what limits the batch size. Transient workspace inside
+  the forward is not counted.
+* CUDA: ``torch.cuda.max_memory_allocated`` over one forward + backward, minus what
+  was allocated before it (inputs, output gradients and parameters excluded),
+  transients included.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["Timer", "interleaved", "calibrate", "median_ratio", "ratio_quartiles",
+           "copy_bandwidth",
+           "saved_bytes", "cuda_peak_bytes", "tensor_bytes"]
+
+
+class Timer:
+    """Seconds per call of ``fn`` repeated ``number`` times, on ``device``'s clock.
+
+    Example:
+        >>> Timer("cpu")(lambda: None, number=10) >= 0.0
+        True
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __call__(self, fn: Callable[[], object], number: int = 1) -> float:
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            for _ in range(number):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3 / number
+        begin = time.perf_counter()
+        for _ in range(number):
+            fn()
+        return (time.perf_counter() - begin) / number
+
+
+def calibrate(seconds_per_call: float, min_time: float, cap: int = 10_000) -> int:
+    """Calls per measurement so that one measurement lasts at least ``min_time``.
+
+    Example:
+        >>> calibrate(1e-5, 1e-3), calibrate(0.5, 1e-3), calibrate(0.0, 1e-3)
+        (100, 1, 10000)
+    """
+    if seconds_per_call <= 0:
+        return cap
+    return max(1, min(cap, math.ceil(min_time / seconds_per_call - 1e-9)))
+
+
+def interleaved(fns: dict[str, Callable[[], object]], timer: Timer, repeats: int,
+                number: int) -> dict[str, list[float]]:
+    """Time every function ``repeats`` times, round-robin; seconds per call, per round.
+
+    Round ``r`` starts with function ``r % len(fns)``, so no function always runs first.
+
+    Example:
+        >>> samples = interleaved({"a": lambda: None, "b": lambda: None}, Timer(), 3, 1)
+        >>> {name: len(times) for name, times in samples.items()}
+        {'a': 3, 'b': 3}
+    """
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(repeats):
+        start = round_ % len(names) if names else 0
+        for name in names[start:] + names[:start]:
+            samples[name].append(timer(fns[name], number))
+    return samples
+
+
+def median_ratio(reference: Sequence[float], other: Sequence[float]) -> float:
+    """Median over rounds of ``reference[r] / other[r]`` (> 1: ``other`` is faster).
+
+    Example:
+        >>> median_ratio([2.0, 2.0, 9.0], [1.0, 2.0, 3.0])
+        2.0
+    """
+    return statistics.median(a / b for a, b in zip(reference, other, strict=True))
+
+
+def ratio_quartiles(reference: Sequence[float],
+                    other: Sequence[float]) -> tuple[float, float, float]:
+    """First quartile, median and third quartile of the per-round ratios ``reference / other``.
+
+    The spread says how much to trust the median: on a noisy machine it is wide.
+
+    Example:
+        >>> ratio_quartiles([2.0, 2.0, 9.0], [1.0, 2.0, 3.0])
+        (1.5, 2.0, 2.5)
+        >>> ratio_quartiles([3.0], [1.5])
+        (2.0, 2.0, 2.0)
+    """
+    ratios = [a / b for a, b in zip(reference, other, strict=True)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0], ratios[0]
+    q1, q2, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def copy_bandwidth(device: str | torch.device = "cpu", nbytes: int = 256 << 20,
+                   repeats: int = 11) -> float:
+    """This machine's copy bandwidth in GB/s: median time of ``dst.copy_(src)``.
+
+    A copy reads and writes ``nbytes``, so it moves ``2 * nbytes``. Use a buffer much
+    larger than the last-level cache (the default, 256 MiB) for a memory figure.
+
+    Example:
+        >>> copy_bandwidth(nbytes=1 << 20, repeats=3) > 0
+        True
+    """
+    src = torch.rand(max(1, nbytes // 4), device=device)  # touched: no lazily-mapped pages
+    dst = torch.empty_like(src)
+    timer = Timer(device)
+    for _ in range(2):
+        dst.copy_(src)
+    seconds = statistics.median(timer(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * src.numel() * src.element_size() / seconds / 1e9
+
+
+def _storage_key(t: torch.Tensor) -> tuple[tuple[str, int], int]:
+    """((device, storage address), storage bytes) of a tensor; numel-based if it has none."""
+    try:
+        storage = t.untyped_storage()
+        return (str(t.device), storage.data_ptr()), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # e.g. tensor subclasses without storage
+        return (str(t.device), id(t)), t.numel() * t.element_size()
+
+
+def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once).
+
+    Example:
+        >>> x = torch.zeros(4, 8)
+        >>> tensor_bytes([x, x[1:], x.t()]), tensor_bytes([x, x.clone()])
+        (128, 256)
+    """
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        key, nbytes = _storage_key(t)
+        if nbytes:
+            seen[key] = nbytes
+    return sum(seen.values())
+
+
+def saved_bytes(forward: Callable[[], tuple[torch.Tensor, ...]]) -> dict[str, int]:
+    """What one training forward keeps alive for backward (the CPU "peak memory").
+
+    Runs ``forward`` (grad enabled) under ``saved_tensors_hooks`` and returns
+    ``saved_bytes`` (distinct storages autograd saved), ``output_bytes`` and
+    ``peak_bytes`` (the union of both: an output that is also saved counts once).
+
+    Example:
+        >>> x = torch.randn(8, 16, requires_grad=True)
+        >>> saved_bytes(lambda: (torch.exp(x),))   # exp saves its output only
+        {'saved_bytes': 512, 'output_bytes': 512, 'peak_bytes': 512}
+    """
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = forward()
+    result = {"saved_bytes": tensor_bytes(saved), "output_bytes": tensor_bytes(outputs),
+              "peak_bytes": tensor_bytes([*saved, *outputs])}
+    saved.clear()  # release the graph's tensors with the caller's outputs
+    return result
+
+
+def cuda_peak_bytes(step: Callable[[], object]) -> int:
+    """Peak CUDA memory allocated by ``step`` above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before

@@ -1,0 +1,477 @@
+"""Run the benchmark: plan the cases, measure every implementation, return the JSON document.
+
+One case is an op on one shape at one thread count; it yields one record per pass
+(``fwd``, ``fwd+bwd``). Implementations, all in the same process on the same tensors:
+
+* ``torch``: torch eager, the reference every ratio divides by (for what torch lacks,
+  the natural composition, see :mod:`normkit.bench.ops`);
+* ``normkit``: the normkit module, default (``auto``) backend;
+* ``torch.compile``: the torch module under ``torch.compile(dynamic=False)`` (opt-in);
+  the first call of each pass (compile + one run) is reported as ``compile_s`` and
+  kept out of the timings; compile caches are reset per case;
+* ``liger``, ``apex``: when importable, with CUDA, for the ops they cover.
+
+An implementation that fails to build or run gets an ``error`` and the others go on.
+
+JSON document (``schema`` = :data:`SCHEMA`)::
+
+    {"schema": "normkit-bench/1",
+     "command": "normkit bench --shapes small",          # the exact command line
+     "environment": {"date", "normkit", "torch", "python", "platform", "cpu_model",
+                     "cpu_count", "device", "device_name", "dtype", "threads": [1],
+                     "input", "input_doc", "copy_bandwidth_gbs": {"1": 9.8},
+                     "copy_buffer_bytes", "memory_method", "load_average": {"start", "end"}},
+     "settings": {"ops", "shapes", "shape_list", "repeats", "warmup", "min_time_s",
+                  "compile", "seed"},
+     "implementations": {"torch": {"used": true, "reason": null}, "liger": {...}, ...},
+     "ops": [{"op", "kind", "normkit", "baseline", "available", "reason"}],
+     "results": [{"op", "shape": [M, D], "layout", "pass", "threads", "ideal_bytes",
+                  "baseline", "normkit",
+                  "impls": {"torch": {"ms", "samples_ms", "number", "ratio", "ratio_iqr",
+                                      "gbs", "pct_copy", "compile_s", "memory", "error"},
+                            ...}}]}
+
+``ms`` is the median time per call, ``samples_ms`` the per-round times, ``number`` the
+calls per measurement, ``ratio`` the median per-round ``torch ms / this ms`` (> 1:
+faster than torch eager) and ``ratio_iqr`` its first and third quartiles, ``gbs`` the
+ideal bytes over the median time, ``pct_copy`` that as a percentage of the copy
+bandwidth, ``memory`` (``fwd+bwd`` only) holds ``peak_bytes``, ``saved_bytes`` and
+``output_bytes`` (see :mod:`normkit.bench.measure`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import measure
+from .ops import EXTERNALS, OPS, PASSES, Op, Shape, get_op, parse_shapes
+
+__all__ = ["SCHEMA", "DTYPES", "INPUTS", "BenchConfig", "run", "plan", "errors", "make_input",
+           "environment"]
+
+#: The version tag of the JSON document.
+SCHEMA = "normkit-bench/1"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: Input kinds: name -> what it is and which normkit path it exercises.
+INPUTS = {
+    "randn": "standard normal: well-conditioned, so normkit's auto backend keeps torch's "
+             "fused kernels wherever they are accurate (the fast path)",
+    "offset": "standard normal + 100: |mean|/std = 100, past normkit's accuracy thresholds, "
+              "so normkit recomputes with its compensated path (torch just loses precision)",
+}
+
+_OFFSET = 100.0
+
+#: Implementation names in column order.
+IMPLEMENTATIONS = ("torch", "normkit", "torch.compile", *(ext.name for ext in EXTERNALS))
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run. Every field has the command line's default.
+
+    Args:
+        ops: op names; empty means every op available here.
+        device: ``"cpu"`` or ``"cuda"``.
+        threads: CPU thread counts (``torch.set_num_threads``); each runs the whole set.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (inputs and modules).
+        shapes: a set name (``standard``, ``small``) or a spec such as ``4096x1024,8x64x28x28:cl``.
+        input: ``"randn"`` or ``"offset"`` (see :data:`INPUTS`).
+        repeats: timed rounds per pass.
+        warmup: untimed calls per implementation before the rounds.
+        min_time: seconds one measurement lasts at least (calls are repeated to reach it).
+        compile: also time ``torch.compile`` of the torch module.
+        copy_mib: MiB of the buffer the copy bandwidth is measured on.
+        seed: seed of the inputs.
+    """
+
+    ops: tuple[str, ...] = ()
+    device: str = "cpu"
+    threads: tuple[int, ...] = (1,)
+    dtype: str = "float32"
+    shapes: str = "standard"
+    input: str = "randn"
+    repeats: int = 15
+    warmup: int = 3
+    min_time: float = 2e-3
+    compile: bool = False
+    copy_mib: int = 256
+    seed: int = 0
+    shape_list: tuple[Shape, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in self.ops:
+            get_op(name)  # KeyError naming the valid ops
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested, but torch.cuda.is_available() is False "
+                             f"(torch {torch.__version__})")
+        if not self.threads or any(t < 1 for t in self.threads):
+            raise ValueError(f"threads must be positive integers, got {self.threads}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.input not in INPUTS:
+            raise ValueError(f"input must be one of {', '.join(INPUTS)}, got {self.input!r}")
+        if self.repeats < 1 or self.warmup < 0 or self.min_time < 0 or self.copy_mib < 1:
+            raise ValueError(f"expected repeats >= 1, warmup >= 0, min_time >= 0 and "
+                             f"copy_mib >= 1, got {self.repeats}, {self.warmup}, "
+                             f"{self.min_time}, {self.copy_mib}")
+        object.__setattr__(self, "shape_list", parse_shapes(self.shapes))
+
+
+def plan(config: BenchConfig) -> tuple[list[tuple[Op, Shape]], list[dict]]:
+    """The ``(op, shape)`` cases to run and the ops skipped, each with its reason.
+
+    Example:
+        >>> cases, skipped = plan(BenchConfig(ops=("layer_norm", "batch_norm"),
+        ...                                   shapes="7x33,2x3x4x5"))
+        >>> [(op.name, shape.label) for op, shape in cases], skipped
+        ([('layer_norm', '7x33'), ('batch_norm', '2x3x4x5')], [])
+    """
+    ops = [get_op(name) for name in config.ops] if config.ops else list(OPS)
+    cases, skipped = [], []
+    for op in ops:
+        reason = op.available()
+        if reason is not None:
+            skipped.append({"op": op.name, "reason": reason})
+            continue
+        shapes = [shape for shape in config.shape_list if shape.kind == op.kind]
+        if not shapes:
+            skipped.append({"op": op.name, "reason": f"no {op.kind} shape in the shape set "
+                            f"({'4-dim N x C x H x W' if op.kind == 'image' else 'M x D'})"})
+        cases.extend((op, shape) for shape in shapes)
+    return cases, skipped
+
+
+def make_input(shape: Shape, dtype: torch.dtype, device: str | torch.device,
+               kind: str = "randn") -> torch.Tensor:
+    """A benchmark input of ``shape`` (laid out channels_last when it says so).
+
+    Example:
+        >>> x = make_input(Shape((2, 3, 4, 5), channels_last=True), torch.float32, "cpu")
+        >>> x.is_contiguous(memory_format=torch.channels_last)
+        True
+    """
+    x = torch.randn(shape.dims, device=device)
+    if kind == "offset":
+        x += _OFFSET
+    x = x.to(dtype)
+    return x.contiguous(memory_format=torch.channels_last) if shape.channels_last else x
+
+
+def _describe(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _blank(error: str | None = None) -> dict:
+    """An implementation's entry before (or instead of) its measurement."""
+    return {"ms": None, "samples_ms": [], "number": None, "ratio": None, "ratio_iqr": None,
+            "gbs": None, "pct_copy": None, "compile_s": None, "memory": None, "error": error}
+
+
+def _as_tuple(out) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def environment(config: BenchConfig) -> dict:
+    """The machine and software a run happens on (the ``environment`` of the JSON).
+
+    Example:
+        >>> env = environment(BenchConfig(shapes="small"))
+        >>> env["device"], env["threads"], env["torch"] == torch.__version__
+        ('cpu', [1], True)
+    """
+    import normkit
+
+    cpu = _cpu_model()
+    cuda = config.device == "cuda"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "normkit": normkit.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "device": config.device,
+        "device_name": torch.cuda.get_device_name() if cuda else cpu,
+        "dtype": config.dtype,
+        "threads": list(config.threads),
+        "input": config.input,
+        "input_doc": INPUTS[config.input],
+        "copy_bandwidth_gbs": {},
+        "copy_buffer_bytes": config.copy_mib << 20,
+        "memory_method": ("cuda: torch.cuda.max_memory_allocated over forward+backward, above "
+                          "the memory allocated before it" if cuda else
+                          "cpu: distinct storages saved for backward (saved_tensors_hooks) "
+                          "plus outputs"),
+        "load_average": {"start": _load_average(), "end": None},
+    }
+
+
+def _implementations(config: BenchConfig) -> dict[str, dict]:
+    status = {"torch": {"used": True, "reason": None}, "normkit": {"used": True, "reason": None}}
+    if not config.compile:
+        status["torch.compile"] = {"used": False, "reason": "not requested (--compile)"}
+    elif not hasattr(torch, "compile"):
+        status["torch.compile"] = {"used": False, "reason": "this torch has no torch.compile"}
+    else:
+        status["torch.compile"] = {"used": True, "reason": None}
+    for ext in EXTERNALS:
+        reason = ext.status(config.device)
+        status[ext.name] = {"used": reason is None, "reason": reason}
+    return status
+
+
+class _Case:
+    """Builds one case's modules and tensors and measures its passes."""
+
+    def __init__(self, op: Op, shape: Shape, config: BenchConfig, used: dict[str, dict],
+                 copy_gbs: float, threads: int) -> None:
+        self.op, self.shape, self.config, self.threads = op, shape, config, threads
+        self.copy_gbs = copy_gbs
+        self.dtype = DTYPES[config.dtype]
+        self.timer = measure.Timer(config.device)
+        torch.manual_seed(config.seed)
+        if config.compile:
+            torch.compiler.reset()  # fresh caches: no recompile limit, no dynamic shapes
+        x = make_input(shape, self.dtype, config.device, config.input)
+        extra = [make_input(shape, self.dtype, config.device) for _ in range(op.inputs - 1)]
+        self.inputs = [x, *extra]
+        self.dys = [torch.randn_like(x) for _ in range(op.outputs)]
+        self.modules: dict[str, nn.Module] = {}
+        self.build_errors: dict[str, str] = {}
+        for name in IMPLEMENTATIONS:
+            if not used[name]["used"]:
+                continue
+            try:
+                module = self._build(name)
+            except Exception as error:
+                self.build_errors[name] = f"build failed: {_describe(error)}"
+                continue
+            if module is not None:
+                self.modules[name] = module
+
+    def _build(self, name: str) -> nn.Module | None:
+        dims = self.shape.dims
+        if name == "torch":
+            module = self.op.baseline(dims)
+        elif name == "normkit":
+            module = self.op.build(self.op.resolve(), dims)
+        elif name == "torch.compile":
+            module = self.op.baseline(dims)
+        else:
+            ext = next(ext for ext in EXTERNALS if ext.name == name)
+            build = ext.builder(self.op.name)
+            if build is None:
+                return None  # this library does not cover the op
+            module = build(dims)
+        module = module.to(device=self.config.device, dtype=self.dtype).train()
+        return torch.compile(module, dynamic=False) if name == "torch.compile" else module
+
+    def _wall(self, step: Callable[[], object]) -> float:
+        """Wall-clock seconds of one call (the first call: compilation happens on the host)."""
+        cuda = self.config.device == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - begin
+
+    def _step(self, module: nn.Module, inputs: Sequence[torch.Tensor],
+              grad: bool) -> Callable[[], object]:
+        if not grad:
+            return lambda: module(*inputs)
+        targets = [*inputs, *(p for p in module.parameters() if p.requires_grad)]
+        dys = [dy.clone() for dy in self.dys]  # own copies: some kernels write dx over dy
+
+        def step() -> None:
+            torch.autograd.grad(_as_tuple(module(*inputs)), targets, dys)
+
+        return step
+
+    def _memory(self, name: str, module: nn.Module, inputs: Sequence[torch.Tensor],
+                step: Callable[[], object]) -> dict | None:
+        cuda = self.config.device == "cuda"
+        if name == "torch.compile":  # saved-tensor hooks do not see into compiled graphs
+            return {"peak_bytes": measure.cuda_peak_bytes(step), "saved_bytes": None,
+                    "output_bytes": None} if cuda else None
+        memory = measure.saved_bytes(lambda: _as_tuple(module(*inputs)))
+        if cuda:
+            memory["peak_bytes"] = measure.cuda_peak_bytes(step)
+        return memory
+
+    def measure(self, pass_: str) -> dict:
+        """One record (see the module docstring) for ``pass_``."""
+        grad = pass_ == "fwd+bwd"
+        config, op = self.config, self.op
+        inputs = ([t.detach().clone().requires_grad_() for t in self.inputs] if grad
+                  else self.inputs)
+        ideal = op.ideal_bytes(self.shape.dims, pass_, self.inputs[0].element_size())
+        entries = {name: _blank(error) for name, error in self.build_errors.items()}
+        steps = {}
+        per_call = []
+        with torch.set_grad_enabled(grad):
+            for name, module in self.modules.items():
+                entry = entries[name] = _blank()
+                step = self._step(module, inputs, grad)
+                try:
+                    first = self._wall(step)
+                    if name == "torch.compile":
+                        entry["compile_s"] = first
+                    last = first
+                    for _ in range(config.warmup):
+                        last = self.timer(step)
+                    if grad:
+                        entry["memory"] = self._memory(name, module, inputs, step)
+                except Exception as error:
+                    entry["error"] = _describe(error)
+                    continue
+                steps[name] = step
+                per_call.append(last)
+            number = measure.calibrate(min(per_call), config.min_time) if per_call else 1
+            try:
+                samples = measure.interleaved(steps, self.timer, config.repeats, number)
+            except Exception as error:  # e.g. out of memory mid-run: report, go on
+                for name in steps:
+                    entries[name]["error"] = f"timing failed: {_describe(error)}"
+                samples = {}
+        reference = samples.get("torch")
+        for name, times in samples.items():
+            median = statistics.median(times)
+            entries[name].update(ms=median * 1e3, samples_ms=[t * 1e3 for t in times],
+                                 number=number, gbs=ideal / median / 1e9 if median > 0 else None)
+            if reference:
+                q1, q2, q3 = measure.ratio_quartiles(reference, times)
+                entries[name].update(ratio=q2, ratio_iqr=[q1, q3])
+            if entries[name]["gbs"] is not None:
+                entries[name]["pct_copy"] = 100 * entries[name]["gbs"] / self.copy_gbs
+        ordered = {name: entries[name] for name in IMPLEMENTATIONS if name in entries}
+        return {"op": op.name, "shape": list(self.shape.dims), "layout": self.shape.layout,
+                "pass": pass_, "threads": self.threads, "ideal_bytes": ideal,
+                "baseline": op.baseline_doc, "normkit": op.normkit_doc, "impls": ordered}
+
+
+def _label(record: dict) -> str:
+    shape = "x".join(map(str, record["shape"]))
+    if record["layout"] == "channels_last":
+        shape += " cl"
+    ours = record["impls"].get("normkit", {})
+    if ours.get("error"):
+        outcome = "normkit error"
+    elif ours.get("ratio") is not None:
+        outcome = f"normkit {ours['ratio']:.2f}x torch"
+    else:
+        outcome = "no ratio"
+    return f"{record['op']} {shape} {record['pass']} [{record['threads']}t]: {outcome}"
+
+
+def run(config: BenchConfig | None = None, *, command: str | None = None,
+        progress: Progress | None = None) -> dict:
+    """Run the benchmark and return its JSON document (see the module docstring).
+
+    ``progress(done, total, label)`` is called before the first case (``done=0``) and
+    after every pass. The thread count in effect before the call is restored after it.
+
+    Example:
+        >>> doc = run(BenchConfig(ops=("layer_norm",), shapes="4x8", repeats=2, warmup=0,
+        ...                       min_time=0.0, copy_mib=1))
+        >>> [(r["pass"], sorted(r["impls"])) for r in doc["results"]]
+        [('fwd', ['normkit', 'torch']), ('fwd+bwd', ['normkit', 'torch'])]
+    """
+    config = BenchConfig() if config is None else config
+    cases, skipped = plan(config)
+    used = _implementations(config)
+    env = environment(config)
+    selected = [get_op(name) for name in config.ops] if config.ops else list(OPS)
+    doc = {
+        "schema": SCHEMA,
+        "command": command,
+        "environment": env,
+        "settings": {"ops": list(config.ops), "shapes": config.shapes,
+                     "shape_list": [shape.spec for shape in config.shape_list],
+                     "repeats": config.repeats, "warmup": config.warmup,
+                     "min_time_s": config.min_time, "compile": config.compile,
+                     "seed": config.seed},
+        "implementations": used,
+        "ops": [{"op": op.name, "kind": op.kind, "normkit": op.normkit_doc,
+                 "baseline": op.baseline_doc, "available": reason is None, "reason": reason}
+                for op, reason in ((op, op.available()) for op in selected)],
+        "skipped": skipped,
+        "results": [],
+    }
+    total = len(config.threads) * len(cases) * len(PASSES)
+    done = 0
+    if progress is not None:
+        progress(0, total, "measuring copy bandwidth")
+    previous_threads = torch.get_num_threads()
+    try:
+        for threads in config.threads:
+            torch.set_num_threads(threads)
+            copy_gbs = measure.copy_bandwidth(config.device, config.copy_mib << 20)
+            env["copy_bandwidth_gbs"][str(threads)] = copy_gbs
+            for op, shape in cases:
+                case = _Case(op, shape, config, used, copy_gbs, threads)
+                for pass_ in PASSES:
+                    record = case.measure(pass_)
+                    doc["results"].append(record)
+                    done += 1
+                    if progress is not None:
+                        progress(done, total, _label(record))
+                del case
+    finally:
+        torch.set_num_threads(previous_threads)
+    env["load_average"]["end"] = _load_average()
+    return doc
+
+
+def errors(doc: dict) -> list[str]:
+    """Every failed implementation in a document, as ``op shape layout pass impl: error``.
+
+    Example:
+        >>> errors({"results": []})
+        []
+    """
+    found = []
+    for record in doc["results"]:
+        for name, entry in record["impls"].items():
+            if entry.get("error"):
+                shape = "x".join(map(str, record["shape"]))
+                found.append(f"{record['op']} {shape} {record['layout']} {record['pass']} "
+                             f"[{record['threads']}t] {name}: {entry['error']}")
+    return found

@@ -1,0 +1,486 @@
+"""Tests of the benchmark harness (normkit.bench): plumbing, schema, formulas, CLI errors.
+
+Benchmarks are not tests: nothing here asserts a time or a ratio's value. Runs use
+tiny shapes, two rounds, no minimum measurement time and a 1 MiB copy buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import normkit
+from normkit.bench import cli, measure, report
+from normkit.bench.ops import (
+    EXTERNALS,
+    OPS,
+    PASSES,
+    AddThenNorm,
+    External,
+    Shape,
+    get_op,
+    op_names,
+    parse_shapes,
+)
+from normkit.bench.runner import SCHEMA, BenchConfig, errors, make_input, plan, run
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+TINY = dict(repeats=2, warmup=1, min_time=0.0, copy_mib=1)
+CORE = [op.name for op in OPS if not op.fused]
+FUSED = [op.name for op in OPS if op.fused]
+DIMS = {"rows": (6, 16), "image": (3, 8, 4, 5)}
+
+ENVIRONMENT_KEYS = {
+    "date", "normkit", "torch", "python", "platform", "cpu_model", "cpu_count", "device",
+    "device_name", "dtype", "threads", "input", "input_doc", "copy_bandwidth_gbs",
+    "copy_buffer_bytes", "memory_method", "load_average",
+}
+RECORD_KEYS = {"op", "shape", "layout", "pass", "threads", "ideal_bytes", "baseline", "normkit",
+               "impls"}
+ENTRY_KEYS = {"ms", "samples_ms", "number", "ratio", "ratio_iqr", "gbs", "pct_copy",
+              "compile_s", "memory", "error"}
+
+
+@pytest.fixture(scope="module")
+def doc():
+    config = BenchConfig(ops=("layer_norm", "batch_norm"), shapes="8x16,2x4x3x3:cl", **TINY)
+    return run(config, command="normkit bench layer_norm batch_norm --shapes 8x16,2x4x3x3:cl")
+
+
+# --- the JSON document ---------------------------------------------------------------
+
+
+def test_json_schema(doc):
+    assert json.loads(report.to_json(doc)) == doc  # plain JSON data, nothing lost
+    assert set(doc) == {"schema", "command", "environment", "settings", "implementations",
+                        "ops", "skipped", "results"}
+    assert doc["schema"] == SCHEMA
+    assert doc["command"].startswith("normkit bench layer_norm")
+    env = doc["environment"]
+    assert set(env) == ENVIRONMENT_KEYS
+    assert (env["device"], env["dtype"], env["threads"], env["input"]) == (
+        "cpu", "float32", [1], "randn")
+    assert env["torch"] == torch.__version__ and env["normkit"] == normkit.__version__
+    assert list(env["copy_bandwidth_gbs"]) == ["1"] and env["copy_bandwidth_gbs"]["1"] > 0
+    assert set(env["load_average"]) == {"start", "end"}
+    assert doc["settings"]["shape_list"] == ["8x16", "2x4x3x3:cl"]
+    assert doc["settings"]["repeats"] == 2
+    assert [(o["op"], o["available"]) for o in doc["ops"]] == [
+        ("layer_norm", True), ("batch_norm", True)]
+    assert set(doc["implementations"]) == {"torch", "normkit", "torch.compile", "liger", "apex"}
+    assert doc["implementations"]["torch.compile"] == {
+        "used": False, "reason": "not requested (--compile)"}
+
+
+def test_results_cover_every_case_and_pass(doc):
+    keys = [(r["op"], tuple(r["shape"]), r["layout"], r["pass"]) for r in doc["results"]]
+    assert keys == [
+        ("layer_norm", (8, 16), "contiguous", "fwd"),
+        ("layer_norm", (8, 16), "contiguous", "fwd+bwd"),
+        ("batch_norm", (2, 4, 3, 3), "channels_last", "fwd"),
+        ("batch_norm", (2, 4, 3, 3), "channels_last", "fwd+bwd"),
+    ]
+    assert errors(doc) == []
+    for record in doc["results"]:
+        assert set(record) == RECORD_KEYS
+        assert record["threads"] == 1 and record["baseline"].startswith("torch.nn.")
+        assert list(record["impls"]) == ["torch", "normkit"]
+        for name, entry in record["impls"].items():
+            assert set(entry) == ENTRY_KEYS, name
+            assert entry["error"] is None and entry["compile_s"] is None
+            assert len(entry["samples_ms"]) == 2 and entry["number"] >= 1
+            assert entry["ms"] > 0 and entry["ratio"] > 0 and entry["gbs"] > 0
+            assert entry["ratio_iqr"][0] <= entry["ratio"] <= entry["ratio_iqr"][1]
+            assert entry["pct_copy"] > 0
+            if record["pass"] == "fwd":
+                assert entry["memory"] is None
+            else:
+                memory = entry["memory"]
+                assert set(memory) == {"peak_bytes", "saved_bytes", "output_bytes"}
+                out = math.prod(record["shape"]) * 4
+                assert memory["output_bytes"] == out
+                assert max(out, memory["saved_bytes"]) <= memory["peak_bytes"]
+                assert memory["peak_bytes"] <= memory["saved_bytes"] + out
+        assert record["impls"]["torch"]["ratio"] == 1.0
+
+
+def test_run_restores_the_thread_count():
+    before = torch.get_num_threads()
+    run(BenchConfig(ops=("rms_norm",), shapes="4x8", threads=(1, 2), **TINY))
+    assert torch.get_num_threads() == before
+
+
+def test_plan_skips_ops_without_a_matching_shape():
+    cases, skipped = plan(BenchConfig(ops=("rms_norm", "group_norm"), shapes="4x8"))
+    assert [op.name for op, _ in cases] == ["rms_norm"]
+    assert skipped == [{"op": "group_norm", "reason": "no image shape in the shape set "
+                                                      "(4-dim N x C x H x W)"}]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"device": "tpu"}, {"threads": (0,)}, {"dtype": "int8"}, {"input": "zeros"},
+    {"repeats": 0}, {"shapes": "4x4x4x4x4"},
+])
+def test_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        BenchConfig(**kwargs)
+
+
+# --- the Markdown report -------------------------------------------------------------
+
+
+def test_markdown_table_columns(doc):
+    text = report.to_markdown(doc)
+    lines = text.splitlines()
+    assert lines[0] == "# normkit bench: cpu, float32, input randn (well-conditioned)"
+    assert lines[lines.index("```sh") + 1] == doc["command"]
+    header = [line for line in lines if line.startswith("| op ")]
+    assert header == ["| op | shape | layout | pass | torch ms | normkit ms | normkit x "
+                      "| normkit GB/s | % copy | torch MiB | normkit MiB |"]
+    at = lines.index(header[0])
+    assert lines[at + 1] == "|---|---|---|---|" + "---:|" * 7
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in lines[at + 2:at + 2 + len(doc["results"])]]
+    assert [row[:4] for row in rows] == [
+        ["layer_norm", "8x16", "-", "fwd"], ["layer_norm", "8x16", "-", "fwd+bwd"],
+        ["batch_norm", "2x4x3x3", "NHWC", "fwd"], ["batch_norm", "2x4x3x3", "NHWC", "fwd+bwd"]]
+    for row in rows:
+        assert len(row) == 11
+        assert float(row[4]) > 0 and float(row[5]) > 0  # ms
+        assert re.fullmatch(r"~?\d+\.\d\dx", row[6]) and row[8].endswith("%")
+        assert (row[9] == "-") == (row[3] == "fwd")
+    assert "well-conditioned" in text and "torch.nn.BatchNorm2d (train)" in text
+
+
+def test_markdown_marks_noisy_ratios(doc):
+    noisy = json.loads(json.dumps(doc))
+    entry = noisy["results"][0]["impls"]["normkit"]
+    entry["ratio"], entry["ratio_iqr"] = 1.0, [0.7, 1.3]
+    calm = noisy["results"][1]["impls"]["normkit"]
+    calm["ratio"], calm["ratio_iqr"] = 2.0, [1.9, 2.1]
+    rows = [line for line in report.to_markdown(noisy).splitlines()
+            if line.startswith("| layer_norm ")]
+    assert "| ~1.00x |" in rows[0] and "| 2.00x |" in rows[1]
+
+
+def test_markdown_extra_columns_for_threads_and_compile(doc):
+    multi = json.loads(json.dumps(doc))
+    multi["environment"]["threads"] = [1, 2]
+    for record in multi["results"]:
+        record["impls"]["torch.compile"] = dict(record["impls"]["torch"], compile_s=3.5)
+    cols = report.columns(multi)
+    assert cols[0] == "threads"
+    assert cols[-5:] == ["torch.compile ms", "torch.compile x", "compile s", "torch MiB",
+                         "normkit MiB"]
+    row = next(line for line in report.to_markdown(multi).splitlines()
+               if line.startswith("| 1 | layer_norm"))
+    assert "| 3.5 |" in row  # compile seconds
+
+
+# --- ops and baselines ----------------------------------------------------------------
+
+
+def test_op_names_are_unique_and_complete():
+    assert len(set(op_names())) == len(OPS)
+    assert set(CORE) == {"layer_norm", "rms_norm", "batch_norm", "group_norm",
+                         "instance_norm", "layer_norm2d"}
+    assert {"add_layer_norm", "add_rms_norm", "batch_norm_act"} <= set(FUSED)
+
+
+@pytest.mark.parametrize("name", op_names())
+def test_every_op_has_a_torch_baseline(name):
+    op = get_op(name)
+    assert op.baseline_doc
+    dims = DIMS[op.kind]
+    baseline = op.baseline(dims)
+    assert isinstance(baseline, nn.Module)
+    assert sum(p.numel() for p in baseline.parameters()) == op.params(dims)
+    inputs = [torch.randn(dims) for _ in range(op.inputs)]
+    outputs = baseline(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    assert len(outputs) == op.outputs
+    assert all(out.shape == dims for out in outputs)
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_core_ops_compute_what_their_baseline_computes(name):
+    op = get_op(name)
+    dims = DIMS[op.kind]
+    x = torch.randn(dims)
+    ours, theirs = op.build(op.resolve(), dims), op.baseline(dims)
+    assert sum(p.numel() for p in ours.parameters()) == op.params(dims)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+
+
+def test_fused_ops_are_skipped_with_a_reason_when_absent(monkeypatch):
+    monkeypatch.setitem(sys.modules, "normkit.norms.fused", types.ModuleType("fused"))
+    for name in FUSED:
+        reason = get_op(name).available()
+        assert reason is not None and "normkit.norms.fused has no" in reason
+
+
+# --- a stand-in for normkit.norms.fused: detection and two-output plumbing --------------
+
+
+class _AddRMSNorm(AddThenNorm):
+    def __init__(self, normalized_shape):
+        super().__init__(normkit.RMSNorm(normalized_shape))
+
+
+class _BatchNormAct2d(nn.Sequential):
+    def __init__(self, num_features, act="relu", memory="standard"):
+        super().__init__(normkit.BatchNorm2d(num_features),
+                         nn.LeakyReLU() if act == "leaky_relu" else nn.ReLU())
+
+
+class _BrokenAddLayerNorm(nn.Module):
+    def __init__(self, normalized_shape):
+        super().__init__()
+
+    def forward(self, x, residual):
+        raise RuntimeError("kernel exploded")
+
+
+@pytest.fixture
+def fake_fused(monkeypatch):
+    module = types.ModuleType("normkit.norms.fused")
+    module.AddRMSNorm = _AddRMSNorm
+    module.AddLayerNorm = _BrokenAddLayerNorm
+    module.BatchNormAct2d = _BatchNormAct2d
+    monkeypatch.setitem(sys.modules, "normkit.norms.fused", module)
+    return module
+
+
+def test_fused_ops_are_detected_at_run_time(fake_fused):
+    assert get_op("add_rms_norm").available() is None
+    assert get_op("group_norm_act").available() == "normkit.norms.fused has no GroupNormAct"
+    _, skipped = plan(BenchConfig(shapes="4x8"))
+    assert [item["op"] for item in skipped if item["op"] in FUSED] == [
+        "batch_norm_act", "batch_norm_act_inplace", "group_norm_act"]  # no image shape / absent
+    doc = run(BenchConfig(ops=("add_rms_norm", "batch_norm_act_inplace"),
+                          shapes="4x8,2x3x4x4", **TINY))
+    assert errors(doc) == []
+    rms = [r for r in doc["results"] if r["op"] == "add_rms_norm"]
+    assert [r["pass"] for r in rms] == list(PASSES)
+    assert rms[0]["ideal_bytes"] == 4 * 32 * 4 + 8 * 4
+    memory = rms[1]["impls"]["normkit"]["memory"]
+    assert memory["output_bytes"] == 2 * 32 * 4  # normed and x + residual
+
+
+def test_a_failing_implementation_is_reported_and_the_rest_run(fake_fused, capsys):
+    doc = run(BenchConfig(ops=("add_layer_norm",), shapes="4x8", **TINY))
+    failures = errors(doc)
+    assert len(failures) == 2 and all("kernel exploded" in f for f in failures)
+    for record in doc["results"]:
+        assert record["impls"]["torch"]["ms"] > 0
+        assert record["impls"]["normkit"]["ms"] is None
+    assert "kernel exploded" in report.to_markdown(doc)
+    code = cli.main(["add_layer_norm", "--shapes", "4x8", "--repeats", "2", "--min-time", "0",
+                     "--copy-mib", "1", "--quiet"])
+    assert code == 1
+    assert "| error |" in capsys.readouterr().out
+
+
+# --- ideal bytes ------------------------------------------------------------------------
+
+
+def test_ideal_bytes_layer_norm_transformer_rows():
+    op, x, p = get_op("layer_norm"), 4096 * 1024 * 4, 2 * 1024 * 4
+    assert op.ideal_bytes((4096, 1024), "fwd", 4) == 2 * x + p  # read x, write y, params
+    assert op.ideal_bytes((4096, 1024), "fwd+bwd", 4) == 5 * x + 3 * p  # + x, dy, dx, grads
+
+
+@pytest.mark.parametrize("name, fwd, both, params", [
+    ("rms_norm", 2, 5, 16),
+    ("batch_norm", 2, 5, 16),
+    ("instance_norm", 2, 5, 0),
+    ("add_rms_norm", 4, 8, 16),
+    ("add_layer_norm", 4, 8, 32),
+])
+def test_ideal_bytes_formulas(name, fwd, both, params):
+    op = get_op(name)
+    dims = (2, 8, 16) if op.kind == "rows" else (2, 8, 4, 4)
+    x = math.prod(dims)
+    for itemsize in (4, 2):
+        p = op.params(dims) * itemsize
+        assert op.ideal_bytes(dims, "fwd", itemsize) == fwd * x * itemsize + p
+        assert op.ideal_bytes(dims, "fwd+bwd", itemsize) == both * x * itemsize + 3 * p
+    assert op.params(dims) == params
+    assert op.ideal_bytes(dims, "fwd", 2, param_itemsize=4) == fwd * x * 2 + params * 4
+    with pytest.raises(ValueError, match="pass must be one of"):
+        op.ideal_bytes(dims, "bwd", 4)
+
+
+# --- shapes ------------------------------------------------------------------------------
+
+
+def test_shape_sets():
+    standard = {(s.dims, s.channels_last) for s in parse_shapes("standard")}
+    for d in (768, 1024, 4096, 8192):
+        assert ((4096, d), False) in standard
+    for dims in ((32, 64, 56, 56), (32, 256, 14, 14)):
+        assert {(dims, False), (dims, True)} <= standard
+    assert ((7, 33), False) in standard and ((3, 5, 7, 9), False) in standard
+    small = parse_shapes("small")
+    assert {s.kind for s in small} == {"rows", "image"}
+    assert max(math.prod(s.dims) for s in small) < max(math.prod(d) for d, _ in standard)
+
+
+def test_parse_shape_specs():
+    shapes = parse_shapes(" 4096x1024, 2x16x8 ,32x64x56x56:cl, 3x5x7x9:nchw")
+    assert [(s.dims, s.channels_last, s.kind) for s in shapes] == [
+        ((4096, 1024), False, "rows"), ((2, 16, 8), False, "rows"),
+        ((32, 64, 56, 56), True, "image"), ((3, 5, 7, 9), False, "image")]
+    assert [s.spec for s in shapes][2] == "32x64x56x56:cl"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("4096by1024", "expected sizes joined by 'x'"),
+    ("4x8:cl", "channels_last needs a 4-dim"),
+    ("4x8x2x2:nhcw", "expected a layout suffix"),
+    ("8", "expected a shape of 2 or 3 dims"),
+    ("0x8", "all >= 1"),
+    (",", "expected a shape set"),
+])
+def test_parse_shape_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_shapes(spec)
+
+
+def test_make_input_layouts_and_offset():
+    x = make_input(Shape((2, 3, 4, 5), True), torch.bfloat16, "cpu", "offset")
+    assert x.dtype == torch.bfloat16 and x.is_contiguous(memory_format=torch.channels_last)
+    assert 90 < float(x.float().mean()) < 110
+
+
+# --- measurement primitives ---------------------------------------------------------------
+
+
+def test_interleaved_rotates_the_first_implementation():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    measure.interleaved(fns, measure.Timer(), repeats=3, number=1)
+    assert calls == list("abc" "bca" "cab")
+
+
+def test_saved_bytes_sees_saved_input_and_dedupes_the_output():
+    x = torch.randn(16, 32, requires_grad=True)
+    ln = nn.LayerNorm(32)
+    memory = measure.saved_bytes(lambda: (ln(x),))
+    nbytes = 16 * 32 * 4
+    assert memory["output_bytes"] == nbytes
+    assert memory["saved_bytes"] >= nbytes  # the input (and params, statistics)
+    assert memory["peak_bytes"] == memory["saved_bytes"] + nbytes
+    relu = measure.saved_bytes(lambda: (torch.relu(x),))  # saves its output: counted once
+    assert relu == {"saved_bytes": nbytes, "output_bytes": nbytes, "peak_bytes": nbytes}
+
+
+def test_median_ratio_and_calibrate():
+    assert measure.median_ratio([4.0, 1.0, 3.0], [2.0, 1.0, 1.0]) == 2.0
+    assert measure.calibrate(1e-3, 1e-2) == 10 and measure.calibrate(1.0, 1e-2) == 1
+    with pytest.raises(ValueError):
+        measure.median_ratio([1.0], [1.0, 2.0])
+
+
+def test_externals_absent_are_reported_cleanly():
+    doc_impls = run(BenchConfig(ops=("rms_norm",), shapes="4x8", **TINY))["implementations"]
+    for ext in EXTERNALS:
+        reason = ext.status("cpu")
+        assert reason is not None  # not installed here, or needs CUDA
+        assert doc_impls[ext.name] == {"used": False, "reason": reason}
+    fake = External("fake", "json", {"rms_norm": ("NoSuchClass", lambda cls, d: cls())},
+                    needs_cuda=False)
+    assert fake.status("cpu") is None
+    assert fake.builder("rms_norm") is None and fake.builder("layer_norm") is None
+
+
+def test_report_number_format():
+    assert [report.format_ms(v) for v in (0.000123, 0.5, 12.345, 999.9, float("nan"))] == [
+        "0.000123", "0.500", "12.3", "1000", "-"]
+
+
+# --- the command line -------------------------------------------------------------------
+
+
+def _usage_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(list(argv))
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: normkit bench")
+    return err
+
+
+def test_cli_unknown_op_lists_the_valid_ones(capsys):
+    err = _usage_error(capsys, "layer_norm", "lyaer_norm")
+    assert "unknown op 'lyaer_norm'; valid ops: " + ", ".join(op_names()) in err
+
+
+def test_cli_unavailable_fused_op_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "normkit.norms.fused", types.ModuleType("fused"))
+    err = _usage_error(capsys, "add_rms_norm", "--shapes", "4x8")
+    assert "op 'add_rms_norm' is not available here: normkit.norms.fused has no AddRMSNorm" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shapes", "4x"], "expected sizes joined by 'x'"),
+    (["--threads", "0"], "expected a positive integer or a comma list"),
+    (["--threads", "one"], "expected a positive integer or a comma list"),
+    (["--dtype", "float64"], "invalid choice: 'float64'"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--repeats", "0"], "expected repeats >= 1"),
+    (["rms_norm", "--shapes", "2x3x4x5"], "nothing to run with --shapes '2x3x4x5'"),
+])
+def test_cli_argument_errors(capsys, argv, message):
+    assert message in _usage_error(capsys, *argv)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cli_cuda_without_a_gpu_is_a_usage_error(capsys):
+    assert "torch.cuda.is_available() is False" in _usage_error(capsys, "--device", "cuda")
+
+
+def test_cli_writes_json_and_markdown(tmp_path, capsys):
+    json_path, md_path = tmp_path / "bench.json", tmp_path / "bench.md"
+    argv = ["group_norm", "--shapes", "2x4x3x3", "--repeats", "2", "--warmup", "0",
+            "--min-time", "0", "--copy-mib", "1", "--json", str(json_path),
+            "--markdown", str(md_path)]
+    assert cli.main(argv, prog="normkit bench") == 0
+    captured = capsys.readouterr()
+    assert "[0/2] measuring copy bandwidth" in captured.err  # plain progress: not a terminal
+    assert "[2/2] group_norm 2x4x3x3 fwd+bwd [1t]: normkit " in captured.err
+    data = json.loads(json_path.read_text())
+    assert data["schema"] == SCHEMA
+    assert data["command"] == "normkit bench " + " ".join(argv)
+    markdown = md_path.read_text()
+    assert markdown == captured.out
+    assert markdown.splitlines()[5] == data["command"]
+
+
+def test_cli_json_to_stdout(capsys):
+    code = cli.main(["rms_norm", "--shapes", "4x8", "--repeats", "2", "--min-time", "0",
+                     "--copy-mib", "1", "--quiet", "--json", "-"], prog="normkit bench")
+    captured = capsys.readouterr()
+    assert code == 0 and captured.err == ""
+    assert json.loads(captured.out)["results"][0]["op"] == "rms_norm"
+
+
+def test_python_m_normkit_bench_lists_the_ops():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "normkit.bench", "--list"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in op_names():
+        assert f"\n{name} | " in proc.stdout
+    assert "permute + torch.nn.LayerNorm + permute" in proc.stdout
