@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import _stats
 from .kernels import native
+from .kernels import triton as tk
 from .norms._core import (
     affine_view,
     check_floating,
@@ -39,6 +40,18 @@ __all__ = [
     "rms_norm",
     "group_norm",
 ]
+
+
+def _use_triton(backend: str, x: Tensor, supported) -> bool:
+    """Whether this call runs the Triton kernel.
+
+    ``backend="triton"`` always does (the kernel raises, saying why, when it cannot serve
+    the input); ``"auto"`` does for CUDA tensors the kernel supports, outside torch.compile.
+    """
+    if backend == "triton":
+        return True
+    return (backend == "auto" and x.is_cuda and not compiling() and tk.available()
+            and supported())
 
 
 def _channels_last_format(x: Tensor) -> torch.memory_format | None:
@@ -147,6 +160,9 @@ def batch_norm(
                 f"training=False, got running_mean={'None' if running_mean is None else 'a tensor'}"
                 f" and running_var={'None' if running_var is None else 'a tensor'}"
             )
+        if _use_triton(backend, input, lambda: tk.supports_batch_norm(
+                input, weight, bias, running_mean, running_var)):
+            return tk.batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
         if backend == "auto" and not compiling():
             y = native.batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
             if y is not None:
@@ -162,12 +178,16 @@ def batch_norm(
         )
     if input.numel() == 0:
         return _empty_result(input, w, b)
-    if backend == "auto" and unbiased_running_var and not compiling():
-        y = native.batch_norm_train(input, running_mean, running_var, weight, bias, momentum,
-                                    eps)
-        if y is not None:
-            return y
-    y, mean, var = normalize(input, dims, w, b, eps, backend=backend)
+    if _use_triton(backend, input, lambda: tk.supports_batch_norm(
+            input, weight, bias, running_mean, running_var)):
+        y, mean, var = tk.batch_norm_train(input, weight, bias, eps)
+    else:
+        if backend == "auto" and unbiased_running_var and not compiling():
+            y = native.batch_norm_train(input, running_mean, running_var, weight, bias,
+                                        momentum, eps)
+            if y is not None:
+                return y
+        y, mean, var = normalize(input, dims, w, b, eps, backend=backend)
     if running_mean is not None:
         _stats.update_running_(running_mean, mean.view(-1), momentum)
     if running_var is not None:
@@ -298,6 +318,8 @@ def layer_norm(
     dims = tuple(range(input.dim() - len(shape), input.dim()))
     if input.numel() == 0:
         return _empty_result(input, weight, bias)
+    if _use_triton(backend, input, lambda: tk.supports_layer_norm(input, shape, weight, bias)):
+        return tk.layer_norm(input, shape, weight, bias, eps)
     if backend == "auto" and not compiling():
         y = native.layer_norm(input, shape, weight, bias, eps)
         if y is not None:
@@ -332,6 +354,8 @@ def rms_norm(
     dims = tuple(range(input.dim() - len(shape), input.dim()))
     if input.numel() == 0:
         return _empty_result(input, weight, None)
+    if _use_triton(backend, input, lambda: tk.supports_rms_norm(input, shape, weight)):
+        return tk.rms_norm(input, shape, weight, eps)
     return normalize(input, dims, weight, None, eps, center=False, backend=backend)[0]
 
 
@@ -421,6 +445,9 @@ def group_norm(
     w, b = affine_view(weight, pview), affine_view(bias, pview)
     if input.numel() == 0:
         return _empty_result(grouped, w, b).reshape(input.shape)
+    if _use_triton(backend, input, lambda: tk.supports_group_norm(input, num_groups, weight,
+                                                                     bias)):
+        return tk.group_norm(input, num_groups, weight, bias, eps)
     layout = _channels_last_format(input)
     if layout is not None:
         # Grouped statistics over a channels_last tensor are strided reductions with a

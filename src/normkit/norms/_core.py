@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .. import _stats
 
-BACKENDS = ("auto", "reference", "eager")
+BACKENDS = ("auto", "reference", "eager", "triton")
 
 
 def compiling() -> bool:
@@ -213,6 +213,9 @@ def normalize(
         True
     """
     check_backend(backend)
+    if backend == "triton":
+        raise ValueError("backend='triton' has no kernel for this normalization; expected one "
+                         "of layer_norm, rms_norm, group_norm, batch_norm (or backend='auto')")
     dims = tuple(d % x.dim() for d in dims)
     if backend == "reference" or (backend == "auto" and compiling()):
         return reference_normalize(x, dims, weight, bias, eps, center)

@@ -1,0 +1,621 @@
+"""The Triton kernels behind :mod:`normkit.kernels.triton` (private: launched by ``_ops``).
+
+Conventions shared by every kernel here:
+
+* **float32 statistics.** Inputs of any dtype are loaded and up-cast to float32; every
+  sum, mean and variance is accumulated in float32; values are cast to the dtype of the
+  tensor they are stored into only at the store.
+* **Compensated, two-pass moments.** A first pass gives ``mean_hi``; a second pass
+  accumulates ``d = x - mean_hi`` (exact for values within a factor of two of the mean,
+  by Sterbenz' lemma), giving ``mean_lo = mean(d)`` and
+  ``var = mean(d**2) - mean_lo**2`` (``mean_lo`` is a few ulps of the offset, so nothing
+  cancels). The variance is never ``E[x**2] - E[x]**2`` of the raw input, and the
+  centred input is ``(x - mean_hi) - mean_lo``: data at an offset of 1e4 with unit
+  spread keep their digits. This is the scheme of :func:`normkit._stats.moments`.
+* **int64 offsets.** Program ids and every row, channel or spatial index are widened to
+  int64 before they meet a stride, so tensors past 2**31 elements index correctly.
+* **No atomics.** A reduction across programs (weight and bias gradients, BatchNorm
+  statistics) writes per-program partials that the host reduces in a fixed order, so
+  every result is bitwise reproducible.
+* **Any width.** Rows and groups wider than one block are walked in ``BLOCK``-sized
+  chunks; a ``SINGLE`` row (one block) is read once and kept in registers.
+* **NaN and Inf propagate** as in torch: a NaN anywhere in a normalized group makes the
+  group's statistics, and so all its outputs, NaN. (Variances are clamped at zero with
+  ``where(v < 0, 0, v)``, which keeps a NaN, rather than with ``maximum``.)
+
+Interpreter or compiler: Triton's CPU interpreter (``TRITON_INTERPRET=1``) is chosen
+when :mod:`triton.language` is first imported -- its own helpers such as ``tl.sum``
+are then interpreted functions, and a compiled kernel cannot call them, nor an
+interpreted kernel compiled ones. The kernels here are therefore wrapped the way
+:mod:`triton.language` was (:data:`INTERPRETING`), whatever ``TRITON_INTERPRET`` says
+when this module is imported later.
+
+This module has no ``from __future__ import annotations``: Triton reads the
+``tl.constexpr`` annotations of kernel parameters, and older Triton releases compare
+them as objects, not as strings.
+"""
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+except ImportError:  # pragma: no cover - exercised only where triton is not installed
+    triton = None
+
+if triton is not None:
+    #: True when Triton runs kernels through its CPU interpreter in this process.
+    INTERPRETING = isinstance(tl.sum, InterpretedFunction)
+    _jit = InterpretedFunction if INTERPRETING else JITFunction
+else:  # pragma: no cover - exercised only where triton is not installed
+    # normkit imports this module only once triton is known to import; these two names
+    # let tools that import every module (``pytest --doctest-modules``) load it anyway.
+    # Nothing defined below can be launched then.
+    INTERPRETING = False
+
+    class tl:  # stands in for ``triton.language`` in the signatures below
+        constexpr = None
+
+    def _jit(fn):
+        return fn
+
+
+# --------------------------------------------------------------------------------------
+# Rows: LayerNorm (CENTER) and RMSNorm, with an optional residual add
+#
+# x, residual, h (= x + residual, the new residual stream), y: (M, N) with unit column
+# stride and a row stride each; statistics MEAN_HI, MEAN_LO, RSTD: (M,) float32.
+# --------------------------------------------------------------------------------------
+
+
+@_jit
+def _row_input(X, R, H, x_off, r_off, mask, HAS_RES: tl.constexpr):
+    """A chunk of the row input in float32: ``x``, or ``x + r`` rounded as ``H`` stores it."""
+    x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + r_off, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(H.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@_jit
+def _row_out(xhat, W, B, Y_row, cols, mask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    """Store ``xhat * w + b`` (affine optional) into a chunk of one output row."""
+    y = xhat
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y_row + cols, y.to(Y_row.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _row_stats(
+    X, R, H, MEAN_HI, MEAN_LO, RSTD,
+    stride_x, stride_r, stride_h, N, inv_n, eps,
+    CENTER: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Statistics of rows wider than one block (one program per row), chunk by chunk.
+
+    With a residual, the first pass also stores ``h = x + residual``; later passes
+    recompute it from ``x`` and ``residual`` rather than read back what this program
+    stored.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        x = _row_input(X, R, H, row * stride_x + cols, row * stride_r + cols, mask, HAS_RES)
+        if HAS_RES:
+            tl.store(H + row * stride_h + cols, x.to(H.dtype.element_ty), mask=mask)
+        if CENTER:
+            acc += x
+        else:
+            acc += x * x
+    if CENTER:
+        mean_hi = tl.sum(acc, axis=0) * inv_n
+        acc_d = tl.zeros([BLOCK], dtype=tl.float32)
+        acc_dd = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            x = _row_input(X, R, H, row * stride_x + cols, row * stride_r + cols, mask, HAS_RES)
+            d = tl.where(mask, x - mean_hi, 0.0)
+            acc_d += d
+            acc_dd += d * d
+        mean_lo = tl.sum(acc_d, axis=0) * inv_n
+        var = tl.sum(acc_dd, axis=0) * inv_n - mean_lo * mean_lo
+        var = tl.where(var < 0.0, 0.0, var)
+        tl.store(MEAN_HI + row, mean_hi)
+        tl.store(MEAN_LO + row, mean_lo)
+    else:
+        var = tl.sum(acc, axis=0) * inv_n
+    tl.store(RSTD + row, 1.0 / tl.sqrt(var + eps))
+
+
+@_jit
+def _row_fwd(
+    X, R, H, Y, W, B, MEAN_HI, MEAN_LO, RSTD,
+    stride_x, stride_r, stride_h, stride_y, N, inv_n, eps,
+    CENTER: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Normalize one row per program.
+
+    ``SINGLE``: the row fits one block; it is read once, its statistics computed in
+    registers and stored. Otherwise the statistics come from :func:`_row_stats` and the
+    row is normalized chunk by chunk (reading ``h`` when there is a residual).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    if SINGLE:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = _row_input(X, R, H, row * stride_x + cols, row * stride_r + cols, mask, HAS_RES)
+        if HAS_RES:
+            tl.store(H + row * stride_h + cols, x.to(H.dtype.element_ty), mask=mask)
+        if CENTER:
+            mean_hi = tl.sum(x, axis=0) * inv_n
+            d = tl.where(mask, x - mean_hi, 0.0)
+            mean_lo = tl.sum(d, axis=0) * inv_n
+            var = tl.sum(d * d, axis=0) * inv_n - mean_lo * mean_lo
+            var = tl.where(var < 0.0, 0.0, var)
+            xc = d - mean_lo
+            tl.store(MEAN_HI + row, mean_hi)
+            tl.store(MEAN_LO + row, mean_lo)
+        else:
+            var = tl.sum(x * x, axis=0) * inv_n
+            xc = x
+        rstd = 1.0 / tl.sqrt(var + eps)
+        tl.store(RSTD + row, rstd)
+        _row_out(xc * rstd, W, B, Y + row * stride_y, cols, mask, HAS_W, HAS_B)
+    else:
+        rstd = tl.load(RSTD + row)
+        if CENTER:
+            mean_hi = tl.load(MEAN_HI + row)
+            mean_lo = tl.load(MEAN_LO + row)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            if HAS_RES:
+                x = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            if CENTER:
+                x = (x - mean_hi) - mean_lo
+            _row_out(x * rstd, W, B, Y + row * stride_y, cols, mask, HAS_W, HAS_B)
+
+
+@_jit
+def _row_xhat(X, MEAN_HI, MEAN_LO, RSTD, row, x_off, mask, CENTER: tl.constexpr):
+    """A chunk of the normalized row ``(x - mean) * rstd`` in float32 (0 where masked)."""
+    x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+    if CENTER:
+        x = (x - tl.load(MEAN_HI + row)) - tl.load(MEAN_LO + row)
+    return tl.where(mask, x * tl.load(RSTD + row), 0.0)
+
+
+@_jit
+def _row_bwd_coeffs(
+    X, DY, W, MEAN_HI, MEAN_LO, RSTD, C1, C2,
+    stride_x, stride_dy, N, inv_n,
+    CENTER: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Per-row ``c1 = mean(g * xhat)`` and ``c2 = mean(g)``, ``g = dy * w``, of wide rows."""
+    row = tl.program_id(0).to(tl.int64)
+    acc_gx = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        xhat = _row_xhat(X, MEAN_HI, MEAN_LO, RSTD, row, row * stride_x + cols, mask, CENTER)
+        g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            g = g * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        acc_gx += g * xhat
+        acc_g += g
+    tl.store(C1 + row, tl.sum(acc_gx, axis=0) * inv_n)
+    if CENTER:
+        tl.store(C2 + row, tl.sum(acc_g, axis=0) * inv_n)
+
+
+@_jit
+def _row_bwd(
+    X, DY, DH, DX, DR, W, MEAN_HI, MEAN_LO, RSTD, C1, C2, DW, DB,
+    stride_x, stride_dy, stride_dh, stride_dx, stride_dr, M, N, inv_n, rows_per_program,
+    CENTER: tl.constexpr, HAS_W: tl.constexpr, STORE_DW: tl.constexpr, STORE_DB: tl.constexpr,
+    HAS_DH: tl.constexpr, STORE_DR: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Input gradient of rows, and per-program partial weight/bias gradients.
+
+    ``dx = rstd * (g - xhat * c1 - c2)`` with ``g = dy * w`` (no ``c2`` without
+    centering), plus the gradient ``dh`` flowing into the new residual stream. Program
+    ``p`` owns rows ``[p * rows_per_program, (p + 1) * rows_per_program)`` and row ``p``
+    of the ``(programs, N)`` float32 partials ``DW`` (``sum dy * xhat``) and ``DB``
+    (``sum dy``), kept in registers chunk by chunk. ``c1``/``c2`` come from the row
+    itself when it fits one block (``SINGLE``), else from :func:`_row_bwd_coeffs`.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < N
+        if HAS_W:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK], dtype=tl.float32)
+        db = tl.zeros([BLOCK], dtype=tl.float32)
+        for row in range(row_start, row_end):
+            xhat = _row_xhat(X, MEAN_HI, MEAN_LO, RSTD, row, row * stride_x + cols, mask, CENTER)
+            dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                g = dy * w
+            else:
+                g = dy
+            if SINGLE:
+                c1 = tl.sum(g * xhat, axis=0) * inv_n
+                if CENTER:
+                    c2 = tl.sum(g, axis=0) * inv_n
+            else:
+                c1 = tl.load(C1 + row)
+                if CENTER:
+                    c2 = tl.load(C2 + row)
+            dx = g - xhat * c1
+            if CENTER:
+                dx = dx - c2
+            dx = dx * tl.load(RSTD + row)
+            if HAS_DH:
+                dx += tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            if STORE_DR:
+                tl.store(DR + row * stride_dr + cols, dx.to(DR.dtype.element_ty), mask=mask)
+            dw += dy * xhat
+            db += dy
+        if STORE_DW:
+            tl.store(DW + pid * N + cols, dw, mask=mask)
+        if STORE_DB:
+            tl.store(DB + pid * N + cols, db, mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# GroupNorm over (N, C, S) with any strides (NCHW: s-stride 1; NHWC: c-stride 1)
+#
+# Program ``pid`` of the statistics kernels handles group ``g = pid % G`` of sample
+# ``n = pid // G``: channels ``[g * CPG, (g + 1) * CPG)`` times all ``S`` positions,
+# walked in [BLOCK_S, BLOCK_C] tiles. Statistics: (N * G,) float32.
+# --------------------------------------------------------------------------------------
+
+
+@_jit
+def _tile(s0, c0, S, CPG, ss_, sc_, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """int64 offsets ``s * ss_ + c * sc_`` and the mask of a [BLOCK_S, BLOCK_C] tile."""
+    s = s0 + tl.arange(0, BLOCK_S)
+    c = c0 + tl.arange(0, BLOCK_C)
+    mask = (s[:, None] < S) & (c[None, :] < CPG)
+    offs = s[:, None].to(tl.int64) * ss_ + c[None, :].to(tl.int64) * sc_
+    return offs, mask
+
+
+@_jit
+def _act(z, ACT: tl.constexpr):
+    """The fused activation: identity (0) or SiLU (1)."""
+    if ACT == 1:
+        z = z * tl.sigmoid(z)
+    return z
+
+
+@_jit
+def _act_grad(dy, z, ACT: tl.constexpr):
+    """``dy * act'(z)``: SiLU' = s (1 + z (1 - s)) with s = sigmoid(z)."""
+    if ACT == 1:
+        s = tl.sigmoid(z)
+        dy = dy * (s * (1.0 + z * (1.0 - s)))
+    return dy
+
+
+@_jit
+def _gn_stats(
+    X, MEAN_HI, MEAN_LO, RSTD,
+    sxn, sxc, sxs, G, CPG, S, inv_n, eps,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Compensated mean and rstd of one (sample, group) per program, in two passes."""
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid // G
+    g = pid - n * G
+    base = X + n * sxn + g * CPG * sxc
+    acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, CPG, BLOCK_C):
+        for s0 in range(0, S, BLOCK_S):
+            offs, mask = _tile(s0, c0, S, CPG, sxs, sxc, BLOCK_S, BLOCK_C)
+            acc += tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+    mean_hi = tl.sum(tl.sum(acc, axis=1), axis=0) * inv_n
+    acc_d = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    acc_dd = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, CPG, BLOCK_C):
+        for s0 in range(0, S, BLOCK_S):
+            offs, mask = _tile(s0, c0, S, CPG, sxs, sxc, BLOCK_S, BLOCK_C)
+            x = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
+            d = tl.where(mask, x - mean_hi, 0.0)
+            acc_d += d
+            acc_dd += d * d
+    mean_lo = tl.sum(tl.sum(acc_d, axis=1), axis=0) * inv_n
+    var = tl.sum(tl.sum(acc_dd, axis=1), axis=0) * inv_n - mean_lo * mean_lo
+    var = tl.where(var < 0.0, 0.0, var)
+    tl.store(MEAN_HI + pid, mean_hi)
+    tl.store(MEAN_LO + pid, mean_lo)
+    tl.store(RSTD + pid, 1.0 / tl.sqrt(var + eps))
+
+
+@_jit
+def _gn_fwd(
+    X, Y, W, B, MEAN_HI, MEAN_LO, RSTD,
+    sxn, sxc, sxs, syn, syc, sys_, G, CPG, S, S_BLOCKS,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``act(xhat * w + b)`` for one (sample, group, spatial block) per program."""
+    pid = tl.program_id(0).to(tl.int64)
+    grp = pid // S_BLOCKS
+    s0 = (pid - grp * S_BLOCKS) * BLOCK_S
+    n = grp // G
+    g = grp - n * G
+    mean_hi = tl.load(MEAN_HI + grp)
+    mean_lo = tl.load(MEAN_LO + grp)
+    rstd = tl.load(RSTD + grp)
+    x_base = X + n * sxn + g * CPG * sxc
+    y_base = Y + n * syn + g * CPG * syc
+    for c0 in range(0, CPG, BLOCK_C):
+        offs, mask = _tile(s0, c0, S, CPG, sxs, sxc, BLOCK_S, BLOCK_C)
+        y_offs, _ = _tile(s0, c0, S, CPG, sys_, syc, BLOCK_S, BLOCK_C)
+        x = tl.load(x_base + offs, mask=mask, other=0.0).to(tl.float32)
+        z = ((x - mean_hi) - mean_lo) * rstd
+        ch = g * CPG + c0 + tl.arange(0, BLOCK_C)
+        cmask = c0 + tl.arange(0, BLOCK_C) < CPG
+        if HAS_W:
+            z = z * tl.load(W + ch, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            z = z + tl.load(B + ch, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        z = _act(z, ACT)
+        tl.store(y_base + y_offs, z.to(Y.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _gn_dz(
+    x_ptrs, dy_ptrs, W, B, mask, ch, cmask, mean_hi, mean_lo, rstd,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+):
+    """A tile's ``xhat``, the gradient ``dz`` at the affine output, and ``w`` per channel."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    xhat = tl.where(mask, ((x - mean_hi) - mean_lo) * rstd, 0.0)
+    dy = tl.load(dy_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:
+        w = tl.load(W + ch, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        w = tl.where(cmask, 1.0, 0.0)
+    z = xhat * w[None, :]
+    if HAS_B:
+        z = z + tl.load(B + ch, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    dz = tl.where(mask, _act_grad(dy, z, ACT), 0.0)
+    return xhat, dz, w
+
+
+@_jit
+def _gn_bwd_sums(
+    X, DY, W, B, MEAN_HI, MEAN_LO, RSTD, C1, C2, DW, DB,
+    sxn, sxc, sxs, sdn, sdc, sds, G, C, CPG, S, inv_n,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per (sample, group): ``c1 = mean(g * xhat)``, ``c2 = mean(g)`` with ``g = dz * w``,
+    and the sample's partial ``sum dz * xhat`` / ``sum dz`` of each channel of the group
+    (rows ``n`` of the ``(N, C)`` float32 partials ``DW``/``DB``)."""
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid // G
+    g = pid - n * G
+    mean_hi = tl.load(MEAN_HI + pid)
+    mean_lo = tl.load(MEAN_LO + pid)
+    rstd = tl.load(RSTD + pid)
+    x_base = X + n * sxn + g * CPG * sxc
+    dy_base = DY + n * sdn + g * CPG * sdc
+    acc_gx = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, CPG, BLOCK_C):
+        ch = g * CPG + c0 + tl.arange(0, BLOCK_C)
+        cmask = c0 + tl.arange(0, BLOCK_C) < CPG
+        acc_dw = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+        acc_db = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            offs, mask = _tile(s0, c0, S, CPG, sxs, sxc, BLOCK_S, BLOCK_C)
+            dy_offs, _ = _tile(s0, c0, S, CPG, sds, sdc, BLOCK_S, BLOCK_C)
+            xhat, dz, w = _gn_dz(x_base + offs, dy_base + dy_offs, W, B, mask, ch, cmask,
+                                 mean_hi, mean_lo, rstd, HAS_W, HAS_B, ACT)
+            acc_dw += dz * xhat
+            acc_db += dz
+            gz = dz * w[None, :]
+            acc_gx += gz * xhat
+            acc_g += gz
+        if HAS_W:
+            tl.store(DW + n * C + ch, tl.sum(acc_dw, axis=0), mask=cmask)
+        if HAS_B:
+            tl.store(DB + n * C + ch, tl.sum(acc_db, axis=0), mask=cmask)
+    tl.store(C1 + pid, tl.sum(tl.sum(acc_gx, axis=1), axis=0) * inv_n)
+    tl.store(C2 + pid, tl.sum(tl.sum(acc_g, axis=1), axis=0) * inv_n)
+
+
+@_jit
+def _gn_bwd_dx(
+    X, DY, DX, W, B, MEAN_HI, MEAN_LO, RSTD, C1, C2,
+    sxn, sxc, sxs, sdn, sdc, sds, son, soc, sos, G, CPG, S, S_BLOCKS,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``dx = rstd * (g - xhat * c1 - c2)`` per (sample, group, spatial block)."""
+    pid = tl.program_id(0).to(tl.int64)
+    grp = pid // S_BLOCKS
+    s0 = (pid - grp * S_BLOCKS) * BLOCK_S
+    n = grp // G
+    g = grp - n * G
+    mean_hi = tl.load(MEAN_HI + grp)
+    mean_lo = tl.load(MEAN_LO + grp)
+    rstd = tl.load(RSTD + grp)
+    c1 = tl.load(C1 + grp)
+    c2 = tl.load(C2 + grp)
+    x_base = X + n * sxn + g * CPG * sxc
+    dy_base = DY + n * sdn + g * CPG * sdc
+    dx_base = DX + n * son + g * CPG * soc
+    for c0 in range(0, CPG, BLOCK_C):
+        ch = g * CPG + c0 + tl.arange(0, BLOCK_C)
+        cmask = c0 + tl.arange(0, BLOCK_C) < CPG
+        offs, mask = _tile(s0, c0, S, CPG, sxs, sxc, BLOCK_S, BLOCK_C)
+        dy_offs, _ = _tile(s0, c0, S, CPG, sds, sdc, BLOCK_S, BLOCK_C)
+        dx_offs, _ = _tile(s0, c0, S, CPG, sos, soc, BLOCK_S, BLOCK_C)
+        xhat, dz, w = _gn_dz(x_base + offs, dy_base + dy_offs, W, B, mask, ch, cmask,
+                             mean_hi, mean_lo, rstd, HAS_W, HAS_B, ACT)
+        dx = (dz * w[None, :] - xhat * c1 - c2) * rstd
+        tl.store(dx_base + dx_offs, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# BatchNorm over (N, C, S) with any strides, statistics per channel over N and S
+#
+# The R = N * S reduced positions of each channel are split into chunks of
+# ``rows_per_program``; program ``pid`` handles chunk ``pid // C_BLOCKS`` of channel
+# block ``pid % C_BLOCKS`` in [BLOCK_R, BLOCK_C] tiles and writes one row of the
+# (chunks, C) float32 partials, which the host merges (count-weighted, float64).
+# --------------------------------------------------------------------------------------
+
+
+@_jit
+def _bn_tile(r, c, S, sn, ss_, sc_):
+    """int64 offsets of positions ``r`` (flat over N, S) times channels ``c``."""
+    n = r // S
+    s = r - n * S
+    return (n * sn + s * ss_)[:, None] + c.to(tl.int64)[None, :] * sc_
+
+
+@_jit
+def _bn_stats(
+    X, PMEAN_HI, PMEAN_LO, PM2,
+    sxn, sxc, sxs, C, S, R, rows_per_program, C_BLOCKS,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Compensated mean and ``M2 = sum (x - mean)**2`` of a chunk of each channel."""
+    pid = tl.program_id(0).to(tl.int64)
+    chunk = pid // C_BLOCKS
+    c = (pid - chunk * C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    r_start = chunk * rows_per_program
+    r_end = tl.minimum(r_start + rows_per_program, R)
+    count = (r_end - r_start).to(tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for r0 in range(r_start, r_end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        mask = (r < r_end)[:, None] & cmask[None, :]
+        acc += tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
+    mean_hi = tl.sum(acc, axis=0) / count
+    acc_d = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc_dd = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for r0 in range(r_start, r_end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        mask = (r < r_end)[:, None] & cmask[None, :]
+        x = tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
+        d = tl.where(mask, x - mean_hi[None, :], 0.0)
+        acc_d += d
+        acc_dd += d * d
+    mean_lo = tl.sum(acc_d, axis=0) / count
+    m2 = tl.sum(acc_dd, axis=0) - count * mean_lo * mean_lo
+    m2 = tl.where(m2 < 0.0, 0.0, m2)
+    out = chunk * C + c
+    tl.store(PMEAN_HI + out, mean_hi, mask=cmask)
+    tl.store(PMEAN_LO + out, mean_lo, mask=cmask)
+    tl.store(PM2 + out, m2, mask=cmask)
+
+
+@_jit
+def _bn_channel(MEAN_HI, MEAN_LO, RSTD, W, c, cmask, HAS_W: tl.constexpr):
+    """Per-channel ``mean_hi``, ``mean_lo`` and ``scale = rstd * w`` of a channel block."""
+    mean_hi = tl.load(MEAN_HI + c, mask=cmask, other=0.0)
+    mean_lo = tl.load(MEAN_LO + c, mask=cmask, other=0.0)
+    rstd = tl.load(RSTD + c, mask=cmask, other=0.0)
+    if HAS_W:
+        w = tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)
+    else:
+        w = tl.where(cmask, 1.0, 0.0)
+    return mean_hi, mean_lo, rstd, w
+
+
+@_jit
+def _bn_fwd(
+    X, Y, W, B, MEAN_HI, MEAN_LO, RSTD,
+    sxn, sxc, sxs, syn, syc, sys_, C, S, R, C_BLOCKS,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``((x - mean_hi) - mean_lo) * rstd * w + b`` on one [BLOCK_R, BLOCK_C] tile."""
+    pid = tl.program_id(0).to(tl.int64)
+    rb = pid // C_BLOCKS
+    c = (pid - rb * C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = (r < R)[:, None] & cmask[None, :]
+    mean_hi, mean_lo, rstd, w = _bn_channel(MEAN_HI, MEAN_LO, RSTD, W, c, cmask, HAS_W)
+    x = tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
+    y = ((x - mean_hi[None, :]) - mean_lo[None, :]) * (rstd * w)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + _bn_tile(r, c, S, syn, sys_, syc), y.to(Y.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _bn_bwd_sums(
+    X, DY, MEAN_HI, MEAN_LO, RSTD, PDY, PDYX,
+    sxn, sxc, sxs, sdn, sdc, sds, C, S, R, rows_per_program, C_BLOCKS,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per chunk and channel: partial ``sum dy`` and ``sum dy * xhat``."""
+    pid = tl.program_id(0).to(tl.int64)
+    chunk = pid // C_BLOCKS
+    c = (pid - chunk * C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    mean_hi, mean_lo, rstd, _ = _bn_channel(MEAN_HI, MEAN_LO, RSTD, RSTD, c, cmask, False)
+    r_start = chunk * rows_per_program
+    r_end = tl.minimum(r_start + rows_per_program, R)
+    acc_dy = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc_dyx = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for r0 in range(r_start, r_end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        mask = (r < r_end)[:, None] & cmask[None, :]
+        x = tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + _bn_tile(r, c, S, sdn, sds, sdc), mask=mask, other=0.0).to(tl.float32)
+        xhat = tl.where(mask, ((x - mean_hi[None, :]) - mean_lo[None, :]) * rstd[None, :], 0.0)
+        acc_dy += dy
+        acc_dyx += dy * xhat
+    out = chunk * C + c
+    tl.store(PDY + out, tl.sum(acc_dy, axis=0), mask=cmask)
+    tl.store(PDYX + out, tl.sum(acc_dyx, axis=0), mask=cmask)
+
+
+@_jit
+def _bn_bwd_dx(
+    X, DY, DX, W, MEAN_HI, MEAN_LO, RSTD, SUM_DY, SUM_DYX,
+    sxn, sxc, sxs, sdn, sdc, sds, son, soc, sos, C, S, R, C_BLOCKS, inv_n,
+    HAS_W: tl.constexpr, TRAIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``dx = rstd * w * (dy - mean(dy) - xhat * mean(dy * xhat))`` in training (the
+    statistics depend on x); ``dx = rstd * w * dy`` with fixed (running) statistics."""
+    pid = tl.program_id(0).to(tl.int64)
+    rb = pid // C_BLOCKS
+    c = (pid - rb * C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = (r < R)[:, None] & cmask[None, :]
+    mean_hi, mean_lo, rstd, w = _bn_channel(MEAN_HI, MEAN_LO, RSTD, W, c, cmask, HAS_W)
+    dy = tl.load(DY + _bn_tile(r, c, S, sdn, sds, sdc), mask=mask, other=0.0).to(tl.float32)
+    if TRAIN:
+        x = tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
+        xhat = ((x - mean_hi[None, :]) - mean_lo[None, :]) * rstd[None, :]
+        mean_dy = tl.load(SUM_DY + c, mask=cmask, other=0.0) * inv_n
+        mean_dyx = tl.load(SUM_DYX + c, mask=cmask, other=0.0) * inv_n
+        dy = dy - mean_dy[None, :] - xhat * mean_dyx[None, :]
+    dx = dy * (rstd * w)[None, :]
+    tl.store(DX + _bn_tile(r, c, S, son, sos, soc), dx.to(DX.dtype.element_ty), mask=mask)

@@ -1,0 +1,518 @@
+"""Launchers and autograd Functions of the Triton kernels (private: see the package doc).
+
+Each family has a forward launcher, a backward launcher and a
+:class:`torch.autograd.Function` that saves the input (or, with a residual, the new
+residual stream), the affine parameters and the float32 statistics
+``(mean_hi, mean_lo, rstd)``. A backward that must itself be differentiable
+(``create_graph=True``) differentiates normkit's reference instead, as the CPU path
+does, so higher-order gradients stay exact.
+
+Tensors reach the kernels as views: rows ``(M, N)`` with unit column stride for
+LayerNorm/RMSNorm, ``(N, C, S)`` with any strides for GroupNorm/BatchNorm (NCHW, NHWC
+and other layouts whose spatial dims merge into one stride). A copy is made only when
+no such view exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from . import _kernels as K
+
+#: Widest LayerNorm/RMSNorm row one program keeps in registers; wider rows are walked in
+#: chunks of this many elements. A starting point, not yet measured on a GPU.
+ROW_BLOCK = 8192
+#: Elements of one GroupNorm/BatchNorm tile. Not yet measured on a GPU either.
+TILE = 4096
+#: Programs that share one cross-program reduction under the interpreter: few, but more
+#: than one, so the partial buffers and their merge are exercised by the CPU tests.
+INTERPRETER_PROGRAMS = 4
+
+ACTIVATIONS = {None: 0, "identity": 0, "silu": 1}
+
+#: When set, kernels are handed to ``launch_hook(kernel, grid, args, constexprs,
+#: num_warps)`` instead of being launched (used by :mod:`.compile_check`).
+launch_hook: Callable | None = None
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ``>= n`` (1 for ``n <= 1``).
+
+    Example:
+        >>> next_pow2(1), next_pow2(7), next_pow2(8), next_pow2(130)
+        (1, 8, 8, 256)
+    """
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _launch(kernel, grid: int, args: tuple, num_warps: int = 4, **constexprs) -> None:
+    if launch_hook is not None:
+        launch_hook(kernel, grid, args, constexprs, num_warps)
+        return
+    kernel[(grid,)](*args, num_warps=num_warps, **constexprs)
+
+
+def _warps(elements: int, cap: int = 16) -> int:
+    """Warps per program for a block of ``elements`` values (about 8 values per thread)."""
+    return min(cap, max(1, elements // 256))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(device: torch.device, per_sm: int) -> int:
+    """Programs that share a cross-program reduction: ``per_sm`` per multiprocessor."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return per_sm * _sm_count(index)
+    return INTERPRETER_PROGRAMS
+
+
+def _on_device(t: Tensor):
+    """Launch on ``t``'s GPU (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _or(t: Tensor | None, placeholder: Tensor) -> Tensor:
+    """A pointer argument the kernel will not read when ``t`` is absent."""
+    return placeholder if t is None else t
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    """``(M, n)`` view of ``t`` with unit column stride; a copy only if none exists."""
+    v = t.reshape(t.numel() // n, n)
+    if n > 1 and v.stride(1) != 1:
+        v = v.contiguous()
+    return v
+
+
+def _row_config(n: int, block: int | None) -> tuple[int, bool]:
+    size = min(next_pow2(n), ROW_BLOCK if block is None else block)
+    return size, n <= size
+
+
+def rows_forward(x: Tensor, residual: Tensor | None, weight: Tensor | None,
+                 bias: Tensor | None, n: int, eps: float, center: bool, block: int | None):
+    """``(y, h, mean_hi, mean_lo, rstd)``: y and h (``x + residual`` or None) as ``(M, n)``."""
+    x2 = _rows(x, n)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mean_hi, mean_lo, rstd = torch.empty((3, m), dtype=torch.float32, device=x.device)
+    r2 = h = None
+    if residual is not None:
+        r2 = _rows(residual, n)
+        h = torch.empty((m, n), dtype=torch.promote_types(x.dtype, residual.dtype),
+                        device=x.device)
+    size, single = _row_config(n, block)
+    r_, h_ = _or(r2, x2), _or(h, x2)
+    strides = (x2.stride(0), r_.stride(0), h_.stride(0))
+    flags = dict(CENTER=center, HAS_RES=residual is not None, BLOCK=size,
+                 num_warps=_warps(size))
+    with _on_device(x):
+        if not single:
+            _launch(K._row_stats, m, (x2, r_, h_, mean_hi, mean_lo, rstd, *strides, n, 1.0 / n,
+                                      eps), **flags)
+        _launch(K._row_fwd, m, (x2, r_, h_, y, _or(weight, x2), _or(bias, x2), mean_hi,
+                                mean_lo, rstd, *strides, y.stride(0), n, 1.0 / n, eps),
+                HAS_W=weight is not None, HAS_B=bias is not None, SINGLE=single, **flags)
+    return y, h, mean_hi, mean_lo, rstd
+
+
+def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | None,
+                  mean_hi: Tensor, mean_lo: Tensor, rstd: Tensor, n: int, center: bool,
+                  block: int | None, x_dtype: torch.dtype, r_dtype: torch.dtype | None,
+                  need_w: bool, need_b: bool):
+    """``(dx, dr, dw, db)`` as ``(M, n)``, ``(M, n)`` or None, ``(n,)`` float32 or None."""
+    s2, dy2 = _rows(src, n), _rows(dy, n)
+    dh2 = None if dh is None else _rows(dh, n)
+    m = s2.shape[0]
+    size, single = _row_config(n, block)
+    programs = min(m, _programs(src.device, per_sm=1))
+    per_program = _cdiv(m, programs)
+    programs = _cdiv(m, per_program)
+    f32 = dict(dtype=torch.float32, device=src.device)
+    dx = torch.empty((m, n), dtype=x_dtype, device=src.device)
+    dr = None if r_dtype is None else torch.empty((m, n), dtype=r_dtype, device=src.device)
+    dw = torch.empty((programs, n), **f32) if need_w else None
+    db = torch.empty((programs, n), **f32) if need_b else None
+    c1, c2 = (rstd, rstd) if single else torch.empty((2, m), **f32)
+    w_ = _or(weight, s2)
+    with _on_device(src):
+        if not single:
+            _launch(K._row_bwd_coeffs, m, (s2, dy2, w_, mean_hi, mean_lo, rstd, c1, c2,
+                                           s2.stride(0), dy2.stride(0), n, 1.0 / n),
+                    CENTER=center, HAS_W=weight is not None, BLOCK=size,
+                    num_warps=_warps(size))
+        dh_, dr_ = _or(dh2, s2), _or(dr, dx)
+        _launch(K._row_bwd, programs,
+                (s2, dy2, dh_, dx, dr_, w_, mean_hi, mean_lo, rstd, c1, c2, _or(dw, rstd),
+                 _or(db, rstd), s2.stride(0), dy2.stride(0), dh_.stride(0), dx.stride(0),
+                 dr_.stride(0), m, n, 1.0 / n, per_program),
+                CENTER=center, HAS_W=weight is not None, STORE_DW=need_w, STORE_DB=need_b,
+                HAS_DH=dh is not None, STORE_DR=dr is not None, SINGLE=single, BLOCK=size,
+                num_warps=_warps(size))
+    return (dx, dr, None if dw is None else dw.sum(0), None if db is None else db.sum(0))
+
+
+def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
+                        view: tuple[int, ...], weight: Tensor | None, bias: Tensor | None,
+                        dy: Tensor, act: int, needs: tuple[bool, bool, bool]):
+    """Differentiable ``(dsrc, dweight, dbias)``, float32, for ``create_graph=True``.
+
+    ``normalize(src)`` is normkit's differentiable reference for ``xhat``; the affine
+    map and the activation are differentiated by hand, and ``autograd.grad`` is asked
+    for ``src`` alone. (Asking it for the weight too would make it walk back through
+    ``src`` into this Function when ``src`` is one of its outputs, the new residual
+    stream, and recurse.)
+    """
+    need_src, need_w, need_b = needs
+    with torch.enable_grad():
+        xhat = normalize(src.float())
+        w = None if weight is None else weight.float().view(view)
+        b = None if bias is None else bias.float().view(view)
+        dz = dy.float()
+        if act == 1:  # SiLU' at z = xhat * w + b
+            z = xhat if w is None else xhat * w
+            z = z if b is None else z + b
+            sig = torch.sigmoid(z)
+            dz = dz * sig * (1.0 + z * (1.0 - sig))
+        dw = (dz * xhat).sum_to_size(w.shape).view(weight.shape) if need_w else None
+        db = dz.sum_to_size(b.shape).view(bias.shape) if need_b else None
+        dsrc = None
+        if need_src:
+            dsrc, = torch.autograd.grad(xhat, [src], dz if w is None else dz * w,
+                                        create_graph=True)
+    return dsrc, dw, db
+
+
+class RowNormFunction(torch.autograd.Function):
+    """LayerNorm (``center``) or RMSNorm over the trailing ``ndim`` dims, optionally
+    after a residual add; returns ``y`` or ``(y, x + residual)``."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, ndim, eps, center, block):
+        n = x.shape[x.dim() - ndim:].numel()
+        y, h, mean_hi, mean_lo, rstd = rows_forward(x, residual, weight, bias, n, eps, center,
+                                                    block)
+        y = y.view(x.shape)
+        h = None if h is None else h.view(x.shape)
+        ctx.save_for_backward(x if h is None else h, weight, bias, mean_hi, mean_lo, rstd)
+        ctx.meta = (n, ndim, eps, center, block, x.dtype,
+                    None if residual is None else residual.dtype)
+        return y if h is None else (y, h)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        src, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
+        n, ndim, eps, center, block, x_dtype, r_dtype = ctx.meta
+        need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
+        need_w, need_b = need_w and weight is not None, need_b and bias is not None
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+            from ...norms._core import reference_normalize
+
+            dims = tuple(range(src.dim() - ndim, src.dim()))
+            dsrc, dw, db = _reference_backward(
+                src, lambda s: reference_normalize(s, dims, eps=eps, center=center)[0],
+                src.shape[src.dim() - ndim:], weight, bias, dy, 0,
+                (need_x or need_r, need_w, need_b))
+            if dsrc is not None and dh is not None:
+                dsrc = dsrc + dh
+            return (None if dsrc is None or not need_x else dsrc.to(x_dtype),
+                    None if dsrc is None or not need_r else dsrc.to(r_dtype),
+                    None if dw is None else dw.to(weight.dtype),
+                    None if db is None else db.to(bias.dtype),
+                    None, None, None, None)
+        dx, dr, dw, db = rows_backward(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center,
+                                       block, x_dtype, r_dtype if need_r else None, need_w,
+                                       need_b)
+        return (dx.view(src.shape) if need_x else None,
+                dr.view(src.shape) if dr is not None else None,
+                dw.view(weight.shape).to(weight.dtype) if need_w else None,
+                db.view(bias.shape).to(bias.dtype) if need_b else None,
+                None, None, None, None)
+
+
+# ------------------------------------------------------------------ (N, C, S) views
+
+
+def _ncs(t: Tensor) -> Tensor:
+    """``(N, C, S)`` view of ``(N, C, *)`` (spatial dims merged); a copy only if none exists."""
+    return t.reshape(t.shape[0], t.shape[1], -1)
+
+
+def _empty_like_ncs(x: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """An uninitialized tensor shaped like ``x`` (same layout when possible) and its
+    ``(N, C, S)`` view."""
+    out = torch.empty_like(x, dtype=dtype)
+    try:
+        return out, out.view(x.shape[0], x.shape[1], -1)
+    except RuntimeError:  # a dense layout whose spatial dims do not merge: use NCHW
+        out = torch.empty(x.shape, dtype=out.dtype, device=x.device)
+        return out, out.view(x.shape[0], x.shape[1], -1)
+
+
+def _group_config(cpg: int, s: int, block: int | None) -> tuple[int, int]:
+    tile = TILE if block is None else block
+    block_c = min(next_pow2(cpg), tile)
+    return max(1, min(next_pow2(s), tile // block_c)), block_c
+
+
+def gn_forward(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
+               eps: float, act: int, block: int | None):
+    """``(y, mean_hi, mean_lo, rstd)`` of GroupNorm, statistics as ``(N * groups,)``."""
+    v = _ncs(x)
+    n, c, s = v.shape
+    cpg = c // groups
+    y, yv = _empty_like_ncs(x)
+    mean_hi, mean_lo, rstd = torch.empty((3, n * groups), dtype=torch.float32,
+                                         device=x.device)
+    block_s, block_c = _group_config(cpg, s, block)
+    s_blocks = _cdiv(s, block_s)
+    tiles = dict(BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_warps(block_s * block_c, 8))
+    with _on_device(x):
+        _launch(K._gn_stats, n * groups, (v, mean_hi, mean_lo, rstd, *v.stride(), groups, cpg,
+                                          s, 1.0 / (cpg * s), eps), **tiles)
+        _launch(K._gn_fwd, n * groups * s_blocks,
+                (v, yv, _or(weight, v), _or(bias, v), mean_hi, mean_lo, rstd, *v.stride(),
+                 *yv.stride(), groups, cpg, s, s_blocks),
+                HAS_W=weight is not None, HAS_B=bias is not None, ACT=act, **tiles)
+    return y, mean_hi, mean_lo, rstd
+
+
+def gn_backward(x: Tensor, dy: Tensor, weight: Tensor | None, bias: Tensor | None,
+                mean_hi: Tensor, mean_lo: Tensor, rstd: Tensor, groups: int, act: int,
+                block: int | None):
+    """``(dx, dw, db)`` of GroupNorm; ``dw``/``db`` float32 ``(C,)`` or None."""
+    v, dv = _ncs(x), _ncs(dy)
+    n, c, s = v.shape
+    cpg = c // groups
+    dx, dxv = _empty_like_ncs(x)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    c1, c2 = torch.empty((2, n * groups), **f32)
+    dw = None if weight is None else torch.empty((n, c), **f32)
+    db = None if bias is None else torch.empty((n, c), **f32)
+    block_s, block_c = _group_config(cpg, s, block)
+    s_blocks = _cdiv(s, block_s)
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACT=act, BLOCK_S=block_s,
+                 BLOCK_C=block_c, num_warps=_warps(block_s * block_c, 8))
+    w_, b_ = _or(weight, v), _or(bias, v)
+    with _on_device(x):
+        _launch(K._gn_bwd_sums, n * groups,
+                (v, dv, w_, b_, mean_hi, mean_lo, rstd, c1, c2, _or(dw, c1), _or(db, c1),
+                 *v.stride(), *dv.stride(), groups, c, cpg, s, 1.0 / (cpg * s)), **flags)
+        _launch(K._gn_bwd_dx, n * groups * s_blocks,
+                (v, dv, dxv, w_, b_, mean_hi, mean_lo, rstd, c1, c2, *v.stride(), *dv.stride(),
+                 *dxv.stride(), groups, cpg, s, s_blocks), **flags)
+    return dx, None if dw is None else dw.sum(0), None if db is None else db.sum(0)
+
+
+def _group_xhat(x: Tensor, groups: int, eps: float) -> Tensor:
+    """normkit's differentiable GroupNorm reference (no affine), back in ``(N, C, *)``."""
+    from ...norms._core import reference_normalize
+
+    grouped = x.unflatten(1, (groups, x.shape[1] // groups))  # (N, G, C/G, *)
+    dims = tuple(range(2, grouped.dim()))
+    return reference_normalize(grouped, dims, eps=eps)[0].flatten(1, 2)
+
+
+def _channel_shape(x: Tensor) -> tuple[int, ...]:
+    return (1, x.shape[1]) + (1,) * (x.dim() - 2)
+
+
+class GroupNormFunction(torch.autograd.Function):
+    """GroupNorm of ``(N, C, *)`` input, optionally followed by SiLU (``act=1``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps, act, block):
+        y, mean_hi, mean_lo, rstd = gn_forward(x, groups, weight, bias, eps, act, block)
+        ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
+        ctx.meta = (groups, eps, act, block)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
+        groups, eps, act, block = ctx.meta
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+            grads = _reference_backward(x, lambda s: _group_xhat(s, groups, eps),
+                                        _channel_shape(x), weight, bias, dy, act,
+                                        (need_x, need_w, need_b))
+            return (*_cast_like(grads, (x, weight, bias)), None, None, None, None)
+        dx, dw, db = gn_backward(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups, act,
+                                 block)
+        return (dx if need_x else None,
+                dw.to(weight.dtype) if need_w and dw is not None else None,
+                db.to(bias.dtype) if need_b and db is not None else None,
+                None, None, None, None)
+
+
+# ------------------------------------------------------------------------ BatchNorm
+
+
+def _bn_config(v: Tensor, block: int | None) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_C)``: wide in channels when channels are contiguous (NHWC)."""
+    n, c, s = v.shape
+    tile = TILE if block is None else block
+    channels_inner = c > 1 and v.stride(1) == 1
+    block_c = min(next_pow2(c), tile, 64 if channels_inner else 4)
+    return max(1, min(next_pow2(n * s), tile // block_c)), block_c
+
+
+def bn_stats(x: Tensor, eps: float, block: int | None):
+    """Per-channel ``(mean_hi, mean_lo, var, rstd)`` of ``(N, C, *)`` over N and spatial.
+
+    Chunks of each channel get compensated (mean, M2) in float32 on the device; the host
+    merges them by count in float64 (Chan et al.), and splits the mean into a float32
+    pair again so that ``x - mean`` keeps its digits at any offset. ``var`` is biased.
+    """
+    v = _ncs(x)
+    n, c, s = v.shape
+    r = n * s
+    block_r, block_c = _bn_config(v, block)
+    c_blocks = _cdiv(c, block_c)
+    chunks = min(_cdiv(r, block_r), max(1, _cdiv(_programs(x.device, per_sm=4), c_blocks)))
+    per_chunk = _cdiv(_cdiv(r, chunks), block_r) * block_r
+    chunks = _cdiv(r, per_chunk)
+    part_hi, part_lo, part_m2 = torch.empty((3, chunks, c), dtype=torch.float32,
+                                            device=x.device)
+    with _on_device(x):
+        _launch(K._bn_stats, chunks * c_blocks,
+                (v, part_hi, part_lo, part_m2, *v.stride(), c, s, r, per_chunk, c_blocks),
+                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_warps(block_r * block_c, 8))
+    counts = torch.full((chunks, 1), float(per_chunk), dtype=torch.float64, device=x.device)
+    counts[-1] = r - per_chunk * (chunks - 1)
+    part_mean = part_hi.double() + part_lo.double()  # (chunks, C)
+    mean = (counts * part_mean).sum(0) / r
+    m2 = part_m2.double().sum(0) + (counts * (part_mean - mean).square()).sum(0)
+    var = m2 / r
+    mean_hi = mean.float()
+    mean_lo = (mean - mean_hi.double()).float()
+    return mean_hi, mean_lo, var.float(), (var + eps).rsqrt().float()
+
+
+def bn_apply(x: Tensor, mean_hi: Tensor, mean_lo: Tensor, rstd: Tensor,
+             weight: Tensor | None, bias: Tensor | None, block: int | None) -> Tensor:
+    """``((x - mean_hi) - mean_lo) * rstd * weight + bias`` per channel."""
+    v = _ncs(x)
+    n, c, s = v.shape
+    y, yv = _empty_like_ncs(x)
+    block_r, block_c = _bn_config(v, block)
+    c_blocks = _cdiv(c, block_c)
+    with _on_device(x):
+        _launch(K._bn_fwd, _cdiv(n * s, block_r) * c_blocks,
+                (v, yv, _or(weight, v), _or(bias, v), mean_hi, mean_lo, rstd, *v.stride(),
+                 *yv.stride(), c, s, n * s, c_blocks),
+                HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_R=block_r,
+                BLOCK_C=block_c, num_warps=_warps(block_r * block_c, 8))
+    return y
+
+
+def bn_backward(x: Tensor, dy: Tensor, weight: Tensor | None, mean_hi: Tensor,
+                mean_lo: Tensor, rstd: Tensor, train: bool, block: int | None):
+    """``(dx, sum dy * xhat, sum dy)``: the input gradient and the per-channel sums that
+    are the weight and bias gradients (float32 ``(C,)``)."""
+    v, dv = _ncs(x), _ncs(dy)
+    n, c, s = v.shape
+    r = n * s
+    block_r, block_c = _bn_config(v, block)
+    c_blocks = _cdiv(c, block_c)
+    chunks = min(_cdiv(r, block_r), max(1, _cdiv(_programs(x.device, per_sm=4), c_blocks)))
+    per_chunk = _cdiv(_cdiv(r, chunks), block_r) * block_r
+    chunks = _cdiv(r, per_chunk)
+    part_dy, part_dyx = torch.empty((2, chunks, c), dtype=torch.float32, device=x.device)
+    dx, dxv = _empty_like_ncs(x)
+    tiles = dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_warps(block_r * block_c, 8))
+    with _on_device(x):
+        _launch(K._bn_bwd_sums, chunks * c_blocks,
+                (v, dv, mean_hi, mean_lo, rstd, part_dy, part_dyx, *v.stride(), *dv.stride(),
+                 c, s, r, per_chunk, c_blocks), **tiles)
+        sum_dy, sum_dyx = part_dy.sum(0), part_dyx.sum(0)
+        _launch(K._bn_bwd_dx, _cdiv(r, block_r) * c_blocks,
+                (v, dv, dxv, _or(weight, v), mean_hi, mean_lo, rstd, sum_dy, sum_dyx,
+                 *v.stride(), *dv.stride(), *dxv.stride(), c, s, r, c_blocks, 1.0 / r),
+                HAS_W=weight is not None, TRAIN=train, **tiles)
+    return dx, sum_dyx, sum_dy
+
+
+def _cast_like(grads, tensors):
+    return tuple(None if g is None else g.to(t.dtype)
+                 for g, t in zip(grads, tensors, strict=True))
+
+
+def _bn_grads(ctx, x, dy, weight, bias, mean_hi, mean_lo, rstd, train):
+    dx, sum_dyx, sum_dy = bn_backward(x, dy, weight, mean_hi, mean_lo, rstd, train,
+                                      ctx.block)
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    return (dx if need_x else None,
+            sum_dyx.to(weight.dtype) if need_w and weight is not None else None,
+            sum_dy.to(bias.dtype) if need_b and bias is not None else None)
+
+
+class BatchNormTrainFunction(torch.autograd.Function):
+    """Training-mode BatchNorm: batch statistics; returns ``(y, mean, var)`` (biased var,
+    float32, not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, block):
+        mean_hi, mean_lo, var, rstd = bn_stats(x, eps, block)
+        y = bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
+        ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
+        ctx.eps, ctx.block = eps, block
+        mean = mean_hi + mean_lo
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var
+
+    @staticmethod
+    def backward(ctx, dy, _dmean, _dvar):
+        x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+            from ...norms._core import reference_normalize
+
+            dims = (0, *range(2, x.dim()))
+            grads = _reference_backward(
+                x, lambda s: reference_normalize(s, dims, eps=ctx.eps)[0], _channel_shape(x),
+                weight, bias, dy, 0, ctx.needs_input_grad[:3])
+            return (*_cast_like(grads, (x, weight, bias)), None, None)
+        return (*_bn_grads(ctx, x, dy, weight, bias, mean_hi, mean_lo, rstd, True), None, None)
+
+
+class BatchNormEvalFunction(torch.autograd.Function):
+    """Inference-mode BatchNorm: a per-channel affine map with fixed (running) statistics."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, block):
+        mean = running_mean.detach()
+        mean_hi = mean.float()
+        mean_lo = (mean.double() - mean_hi.double()).float()  # nonzero for float64 buffers
+        rstd = (running_var.detach().double() + eps).rsqrt().float()
+        y = bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
+        ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
+        ctx.block = block
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+            view = _channel_shape(x)
+            grads = _reference_backward(
+                x, lambda s: ((s - mean_hi.view(view)) - mean_lo.view(view)) * rstd.view(view),
+                view, weight, bias, dy, 0, ctx.needs_input_grad[:3])
+            return (*_cast_like(grads, (x, weight, bias)), None, None, None, None)
+        grads = _bn_grads(ctx, x, dy, weight, bias, mean_hi, mean_lo, rstd, False)
+        return (*grads, None, None, None, None)

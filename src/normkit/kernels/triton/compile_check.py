@@ -1,0 +1,137 @@
+"""Compile every Triton kernel variant normkit launches, for a GPU target, without a GPU.
+
+::
+
+    python -m normkit.kernels.triton.compile_check             # sm_90 (H100, H200)
+    python -m normkit.kernels.triton.compile_check --arch 80 90
+
+Each op runs forward and backward on small CPU tensors with kernel launches intercepted
+(:data:`normkit.kernels.triton._ops.launch_hook`). Every distinct launch (kernel,
+argument types, constexpr values, warps) is compiled by ``triton.compile`` for
+``GPUTarget("cuda", arch, 32)``, through TTIR, TTGIR, LLVM IR and PTX to a cubin made by
+the ``ptxas`` that ships with Triton. This checks what the interpreter cannot: that the
+kernels are valid input for Triton's compiler (types, loop-carried values, constexpr
+branches, layouts) and fit the target. It runs nothing on a GPU and measures nothing.
+
+It needs ``triton`` imported *without* the interpreter (``TRITON_INTERPRET`` unset), and
+uses ``triton.compiler.ASTSource`` as in Triton 3.9 (a semi-public interface).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+          torch.float64: "fp64"}
+
+
+def _signature(kernel, args: tuple, constexprs: dict) -> dict[str, str]:
+    """Triton's type string of each argument (generic: no value specialization)."""
+    signature = {}
+    for name, arg in zip(kernel.arg_names, args, strict=False):
+        if isinstance(arg, torch.Tensor):
+            signature[name] = "*" + _TYPES[arg.dtype]
+        elif isinstance(arg, bool):
+            signature[name] = "i1"
+        elif isinstance(arg, int):
+            signature[name] = "i32" if -(2**31) <= arg < 2**31 else "i64"
+        elif isinstance(arg, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: no Triton type for argument {name}={arg!r}")
+    signature.update({name: "constexpr" for name in constexprs})
+    return signature
+
+
+def launches() -> dict[tuple, tuple]:
+    """Every distinct launch of the ops on a representative set of small inputs."""
+    from . import _ops
+
+    seen: dict[tuple, tuple] = {}
+
+    def record(kernel, grid, args, constexprs, num_warps):
+        signature = _signature(kernel, args, constexprs)
+        key = (kernel.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())),
+               num_warps)
+        seen.setdefault(key, (kernel, signature, dict(constexprs), num_warps))
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape).to(dtype)
+
+    previous, _ops.launch_hook = _ops.launch_hook, record
+    try:
+        for center in (True, False):
+            for n, block in ((33, None), (130, 32), (8192, None)):
+                for residual in (None, rand(4, n)):
+                    x, w = rand(4, n, dtype=torch.bfloat16), rand(n)
+                    b = rand(n) if center else None
+                    _, h, mh, ml, rstd = _ops.rows_forward(x, residual, w, b, n, 1e-5, center,
+                                                           block)
+                    src = x if h is None else h
+                    _ops.rows_backward(src, torch.randn_like(x), None if h is None else src,
+                                       w, mh, ml, rstd, n, center, block, x.dtype,
+                                       None if residual is None else residual.dtype, True,
+                                       b is not None)
+            x = rand(4, 33)
+            _ops.rows_forward(x, None, None, None, 33, 1e-5, center, None)  # no affine
+        for act in (0, 1):
+            for layout in (torch.contiguous_format, torch.channels_last):
+                x = rand(2, 8, 5, 5, dtype=torch.float16).contiguous(memory_format=layout)
+                w, b = rand(8), rand(8)
+                _, mh, ml, rstd = _ops.gn_forward(x, 4, w, b, 1e-5, act, None)
+                _ops.gn_backward(x, torch.randn_like(x), w, b, mh, ml, rstd, 4, act, None)
+            _ops.gn_forward(x, 4, None, None, 1e-5, act, None)
+        for layout in (torch.contiguous_format, torch.channels_last):
+            x = rand(4, 8, 5, 5, dtype=torch.bfloat16).contiguous(memory_format=layout)
+            w, b = rand(8), rand(8)
+            mh, ml, _, rstd = _ops.bn_stats(x, 1e-5, None)
+            for params in ((w, b), (None, None)):
+                _ops.bn_apply(x, mh, ml, rstd, *params, None)
+                for train in (True, False):
+                    _ops.bn_backward(x, torch.randn_like(x), params[0], mh, ml, rstd, train,
+                                     None)
+    finally:
+        _ops.launch_hook = previous
+    return seen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90],
+                        help="CUDA compute capabilities to compile for (default: 90)")
+    options = parser.parse_args(argv)
+    from . import interpreting
+
+    if interpreting():
+        print("compile_check needs the compiler: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    todo = launches()
+    failures = 0
+    for arch in options.arch:
+        target = GPUTarget("cuda", arch, 32)
+        for (name, _, constexprs, warps), (kernel, signature, values, num_warps) in todo.items():
+            start = time.perf_counter()
+            try:
+                compiled = triton.compile(ASTSource(kernel, signature, values), target=target,
+                                          options={"num_warps": num_warps})
+                status = f"ok   {len(compiled.asm['cubin']):>7} B cubin"
+            except Exception as error:  # report every failing variant, then fail
+                failures += 1
+                status = f"FAIL {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+            flags = " ".join(f"{k}={v}" for k, v in constexprs)
+            print(f"sm_{arch} {name:<16} warps={warps:<2} {status}  "
+                  f"({time.perf_counter() - start:.1f}s)  {flags}", flush=True)
+    print(f"{sum(1 for _ in todo) * len(options.arch) - failures} compiled, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""Triton kernels (:mod:`normkit.kernels.triton`) against the float64 reference.
+
+Without a GPU the kernels run on CPU tensors through Triton's interpreter. Triton
+settles interpreter-or-compiler when ``triton`` is first imported, so when triton is not
+imported yet this module sets ``TRITON_INTERPRET=1`` before anything imports it (the
+variable then stays set for the rest of the session). If triton was already imported
+without the interpreter (by another test module -- ``torch.compile`` imports it --, a
+plugin, or doctest collection of ``src/normkit``), the in-process tests skip and
+:func:`test_suite_in_a_fresh_process` reruns this file in a new Python process with the
+interpreter on, so the kernels are tested either way; a full ``pytest`` run takes this
+path. With a GPU and ``TRITON_INTERPRET`` unset, the same tests run compiled kernels on
+CUDA tensors (``TRITON_INTERPRET=1`` forces the interpreter there too).
+
+Interpreter runs are slow: shapes are small, and small ``block`` values make rows and
+groups span several blocks so that the chunked code paths run too.
+"""
+
+import os
+import sys
+
+import torch
+
+_FLAG = os.environ.get("TRITON_INTERPRET")
+#: The interpreter is wanted when asked for, or when there is no GPU to compile for.
+WANT_INTERPRETER = (_FLAG.strip().lower() in ("1", "true", "yes", "on") if _FLAG is not None
+                    else not torch.cuda.is_available())
+if WANT_INTERPRETER and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (see above)
+
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+
+from normkit.kernels import triton as tk  # noqa: E402
+
+_CHILD = "NORMKIT_TRITON_TEST_CHILD"
+#: triton was imported without the interpreter before this module: rerun in a new process.
+RERUN = WANT_INTERPRETER and not tk.interpreting() and not os.environ.get(_CHILD)
+DEVICE = "cpu" if WANT_INTERPRETER else "cuda"
+
+if not WANT_INTERPRETER and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET is off and there is no GPU", allow_module_level=True)
+if WANT_INTERPRETER and not tk.interpreting() and os.environ.get(_CHILD):
+    raise RuntimeError("triton was imported without the interpreter even in a fresh process "
+                       "with TRITON_INTERPRET=1 (a plugin imports it first?)")
+
+
+def test_suite_in_a_fresh_process():
+    """Rerun this file where triton is first imported with the interpreter on."""
+    if not RERUN:
+        pytest.skip("triton runs through the interpreter in this process: tested in-process")
+    env = {**os.environ, "TRITON_INTERPRET": "1", _CHILD: "1"}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", str(Path(__file__))],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(autouse=True)
+def _in_this_process(request):
+    if RERUN and request.function is not test_suite_in_a_fresh_process:
+        pytest.skip("triton was imported without the interpreter before this module: "
+                    "covered by test_suite_in_a_fresh_process")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+#: Relative tolerance per input dtype, scaled by the largest reference value (>= 1).
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
+
+
+def close(actual, expected, dtype, what=""):
+    """``actual`` (any dtype) against a float64 ``expected`` with ``dtype``'s tolerance."""
+    tol = TOL[dtype]
+    expected = expected.detach().double().cpu()
+    scale = max(1.0, float(expected.abs().max())) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.detach().double().cpu(), expected, rtol=tol,
+                               atol=tol * scale, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def rand(*shape, dtype=F32, offset=0.5, scale=2.0, layout=None, grad=True):
+    x = torch.randn(*shape, dtype=torch.float64) * scale + offset
+    x = x.to(device=DEVICE, dtype=dtype)
+    if layout is not None and x.dim() == 4:
+        x = x.contiguous(memory_format=LAYOUTS[layout])
+    return x.requires_grad_(grad)
+
+
+def param(n, dtype=F32, on=True):
+    if not on:
+        return None
+    return (1.0 + 0.5 * torch.randn(n, dtype=torch.float64)).to(DEVICE, dtype).requires_grad_()
+
+
+def leaves(*tensors):
+    """Float64 copies of the inputs as fresh leaves (``None`` stays ``None``)."""
+    return [None if t is None else t.detach().double().requires_grad_(t.requires_grad)
+            for t in tensors]
+
+
+def grads(outputs, inputs, grad_outputs):
+    present = [t for t in inputs if t is not None]
+    got = iter(torch.autograd.grad(outputs, present, grad_outputs))
+    return [None if t is None else next(got) for t in inputs]
+
+
+def ref_rows(op, h, w, b, eps):
+    """LayerNorm (``op == "ln"``) or RMSNorm of float64 ``h`` over its last dim."""
+    if op == "ln":
+        return F.layer_norm(h, h.shape[-1:], w, b, eps)
+    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w
+
+
+def run_rows(op, x, w, b, eps, residual=None, block=None):
+    if op == "ln":
+        return tk.layer_norm(x, x.shape[-1:], w, b, eps, residual=residual, block=block)
+    return tk.rms_norm(x, x.shape[-1:], w, eps, residual=residual, block=block)
+
+
+def check_rows(op, x, w, b, eps=1e-5, block=None):
+    """Forward and every gradient of one rows op against the float64 reference."""
+    dtype = x.dtype
+    b = b if op == "ln" else None
+    y = run_rows(op, x, w, b, eps, block=block)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    xd, wd, bd = leaves(x, w, b)
+    yd = ref_rows(op, xd, wd, bd, eps)
+    close(y, yd, dtype, "y")
+    dy = torch.randn_like(y)
+    for name, got, want in zip("x w b".split(), grads(y, [x, w, b], dy),
+                               grads(yd, [xd, wd, bd], dy.double()), strict=True):
+        if want is not None:
+            assert got.dtype == {"x": x, "w": w, "b": b}[name].dtype
+            close(got, want, dtype, f"d{name}")
+
+
+# ------------------------------------------------------------------- LayerNorm/RMSNorm
+
+ROW_CASES = [(1, None), (7, None), (33, None), (130, None), (33, 8), (130, 32)]
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("width,block", ROW_CASES,
+                         ids=[f"n{n}-{'b' + str(b) if b else 'single'}" for n, b in ROW_CASES])
+def test_rows_widths(op, width, block):
+    torch.manual_seed(width)
+    check_rows(op, rand(3, width), param(width), param(width), block=block)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("width,block", [(33, None), (130, 32)], ids=["single", "chunked"])
+def test_rows_low_precision(op, dtype, width, block):
+    torch.manual_seed(1)
+    check_rows(op, rand(4, width, dtype=dtype), param(width, dtype), param(width, dtype),
+               block=block)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("block", [None, 16], ids=["single", "chunked"])
+def test_rows_without_affine_any_layout(op, block):
+    """No weight/bias; a non-contiguous input over a 2-dim normalized shape."""
+    torch.manual_seed(2)
+    x = rand(5, 3, 4, 6).transpose(0, 2).detach().requires_grad_()  # (4, 3, 5, 6)
+    shape = (5, 6)
+    y = (tk.layer_norm(x, shape, block=block) if op == "ln"
+         else tk.rms_norm(x, shape, eps=1e-5, block=block))
+    xd = leaves(x)[0]
+    flat = ref_rows(op, xd.reshape(12, 30), None, None, 1e-5).reshape(xd.shape)
+    close(y, flat, F32, "y")
+    dy = torch.randn_like(y)
+    close(grads(y, [x], dy)[0], grads(flat, [xd], dy.double())[0], F32, "dx")
+
+
+RESIDUAL_CASES = [(F32, F32, None), (BF16, F32, 16), (F16, F16, None), (BF16, BF16, 32)]
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("x_dtype,r_dtype,block", RESIDUAL_CASES,
+                         ids=["fp32", "bf16+fp32-chunked", "fp16", "bf16-chunked"])
+def test_rows_residual(op, x_dtype, r_dtype, block):
+    """``(y, h) = norm(x + residual), x + residual``; gradients include the one into h."""
+    torch.manual_seed(3)
+    n = 70
+    x, r = rand(4, n, dtype=x_dtype), rand(4, n, dtype=r_dtype)
+    w, b = param(n, x_dtype), (param(n, x_dtype) if op == "ln" else None)
+    y, h = run_rows(op, x, w, b, 1e-5, residual=r, block=block)
+    h_torch = (x + r).detach()  # the promoted dtype: an fp32 residual stream stays fp32
+    assert h.dtype == h_torch.dtype and y.dtype == x_dtype
+    if DEVICE == "cpu" and h.dtype == BF16:
+        # the interpreter converts float32 to bfloat16 by truncation, not to nearest
+        close(h, h_torch.double(), BF16, "h")
+    else:
+        assert torch.equal(h, h_torch)
+    hd, wd, bd = leaves(h_torch.requires_grad_(), w, b)
+    yd = ref_rows(op, hd, wd, bd, 1e-5)
+    close(y, yd, x_dtype, "y")
+    dy, dh = torch.randn_like(y), torch.randn_like(h)
+    got = grads([y, h], [x, r, w, b], [dy, dh])
+    want_h, want_w, want_b = grads([yd], [hd, wd, bd], [dy.double()])
+    want_h = want_h + dh.double()
+    close(got[0], want_h, x_dtype, "dx")
+    close(got[1], want_h, x_dtype, "dresidual")
+    assert got[0].dtype == x_dtype and got[1].dtype == r_dtype
+    close(got[2], want_w, x_dtype, "dw")
+    if b is not None:
+        close(got[3], want_b, x_dtype, "db")
+
+
+# ---------------------------------------------------------------------------- GroupNorm
+
+GN_CASES = {
+    "nchw": ((2, 6, 5, 3), 3, "nchw", None, F32, None, True),
+    "nhwc-silu": ((2, 6, 5, 3), 3, "nhwc", "silu", F32, None, True),
+    "nchw-silu-fp16": ((2, 6, 5, 3), 3, "nchw", "silu", F16, None, True),
+    "nhwc-bf16": ((2, 6, 5, 3), 3, "nhwc", None, BF16, None, True),
+    "nchw-chunked": ((2, 6, 2, 1), 1, "nchw", "silu", F32, 4, True),
+    "nhwc-chunked": ((2, 6, 2, 1), 1, "nhwc", "silu", F32, 4, True),
+    "3d-chunked": ((3, 4, 7), 2, None, None, F32, 8, True),
+    "2d-silu": ((2, 6), 3, None, "silu", F32, None, True),
+    "nhwc-silu-no-affine": ((2, 6, 5, 3), 2, "nhwc", "silu", F32, None, False),
+}
+
+
+@pytest.mark.parametrize("case", GN_CASES.values(), ids=GN_CASES.keys())
+def test_group_norm(case):
+    shape, groups, layout, act, dtype, block, affine = case
+    torch.manual_seed(4)
+    c = shape[1]
+    x, w, b = rand(*shape, dtype=dtype, layout=layout), param(c, dtype, affine), param(c, dtype,
+                                                                                        affine)
+    y = tk.group_norm(x, groups, w, b, 1e-5, act=act, block=block)
+    assert y.dtype == dtype and y.shape == x.shape and y.stride() == x.stride()
+    xd, wd, bd = leaves(x, w, b)
+    yd = F.group_norm(xd, groups, wd, bd, 1e-5)
+    yd = F.silu(yd) if act == "silu" else yd
+    close(y, yd, dtype, "y")
+    dy = torch.randn_like(y)
+    got = grads(y, [x, w, b], dy)
+    assert got[0].stride() == x.stride()
+    for name, g, want in zip("xwb", got, grads(yd, [xd, wd, bd], dy.double()), strict=True):
+        if want is not None:
+            close(g, want, dtype, f"d{name}")
+
+
+# ---------------------------------------------------------------------------- BatchNorm
+
+BN_CASES = {
+    "nchw": ((4, 6, 5, 3), "nchw", F32, None, True),
+    "nhwc": ((4, 6, 5, 3), "nhwc", F32, None, True),
+    "nchw-bf16": ((4, 6, 5, 3), "nchw", BF16, None, True),
+    "nhwc-fp16": ((4, 6, 5, 3), "nhwc", F16, None, True),
+    "nchw-chunked": ((3, 6, 3, 2), "nchw", F32, 8, True),
+    "nhwc-chunked": ((3, 6, 3, 2), "nhwc", F32, 8, True),
+    "2d-no-affine": ((16, 5), None, F32, None, False),
+    "3d-chunked": ((3, 4, 7), None, F32, 16, True),
+}
+
+
+@pytest.mark.parametrize("case", BN_CASES.values(), ids=BN_CASES.keys())
+def test_batch_norm_train(case):
+    """Mixed precision as under autocast: float32 affine parameters, any input dtype."""
+    shape, layout, dtype, block, affine = case
+    torch.manual_seed(5)
+    c = shape[1]
+    x, w, b = rand(*shape, dtype=dtype, layout=layout), param(c, F32, affine), param(c, F32,
+                                                                                      affine)
+    y, mean, var = tk.batch_norm_train(x, w, b, 1e-5, block=block)
+    assert y.dtype == dtype and y.stride() == x.stride()
+    assert mean.dtype == var.dtype == torch.float32 and not mean.requires_grad
+    xd, wd, bd = leaves(x, w, b)
+    dims = (0, *range(2, x.dim()))
+    yd = F.batch_norm(xd, None, None, wd, bd, True, 0.1, 1e-5)
+    close(y, yd, dtype, "y")
+    close(mean, xd.mean(dims), F32, "mean")
+    close(var, xd.var(dims, unbiased=False), F32, "var")
+    dy = torch.randn_like(y)
+    got = grads(y, [x, w, b], dy)
+    assert got[0].stride() == x.stride()
+    for name, g, want in zip("xwb", got, grads(yd, [xd, wd, bd], dy.double()), strict=True):
+        if want is not None:
+            close(g, want, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_batch_norm_eval(layout, dtype):
+    torch.manual_seed(6)
+    x = rand(3, 5, 4, 2, dtype=dtype, offset=100.0, layout=layout)  # far from zero, like
+    w, b = param(5), param(5)
+    rm = torch.randn(5, dtype=torch.float64).to(DEVICE, F32) + 100.0  # the running mean
+    rv = torch.rand(5, dtype=torch.float64).to(DEVICE, F32) + 0.5
+    y = tk.batch_norm_eval(x, rm, rv, w, b, 1e-5)
+    xd, wd, bd = leaves(x, w, b)
+    yd = F.batch_norm(xd, rm.double(), rv.double(), wd, bd, False, 0.1, 1e-5)
+    close(y, yd, dtype, "y")
+    dy = torch.randn_like(y)
+    for name, g, want in zip("xwb", grads(y, [x, w, b], dy),
+                             grads(yd, [xd, wd, bd], dy.double()), strict=True):
+        close(g, want, dtype, f"d{name}")
+
+
+# ------------------------------------------------------------------- numerics, hazards
+
+OFFSET_CASES = ["ln-single", "ln-chunked", "gn-nchw", "gn-nhwc", "bn-nchw", "bn-nhwc"]
+
+
+def _run_case(case, x, w, b):
+    """(kernel output, float64 reference) for one of OFFSET_CASES on ``x`` (N, C, H, W)."""
+    xd, wd, bd = leaves(x, w, b)
+    if case.startswith("ln"):
+        n = x.shape[-1]
+        y = tk.layer_norm(x, (n,), w, b, block=4 if case == "ln-chunked" else None)
+        return y, F.layer_norm(xd, (n,), wd, bd), xd
+    if case.startswith("gn"):
+        return tk.group_norm(x, 2, w, b), F.group_norm(xd, 2, wd, bd), xd
+    return tk.batch_norm_train(x, w, b)[0], F.batch_norm(xd, None, None, wd, bd, True), xd
+
+
+@pytest.mark.parametrize("case", OFFSET_CASES)
+def test_large_offset_keeps_precision(case):
+    """Mean 1e4, std 1, float32: output and input gradient within 1e-4 of float64 (an
+    E[x^2] - E[x]^2 variance or an uncompensated float32 mean would be off by ~1e-3)."""
+    torch.manual_seed(7)
+    layout = case.split("-")[1] if case[:2] in ("gn", "bn") else None
+    x = rand(2, 4, 2, 6, offset=1e4, scale=1.0, layout=layout)
+    c = x.shape[-1] if case.startswith("ln") else x.shape[1]
+    w, b = param(c), param(c)
+    y, yd, xd = _run_case(case, x, w, b)
+    assert float((y.detach().double().cpu() - yd.detach().cpu()).abs().max()) < 1e-4
+    dy = torch.randn_like(y)
+    dx, dxd = grads(y, [x], dy)[0], grads(yd, [xd], dy.double())[0]
+    assert float((dx.double().cpu() - dxd.cpu()).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["ln-chunked", "gn-nhwc", "bn-nchw"])
+def test_weight_gradients_are_deterministic(case):
+    """Partial sums reduced in a fixed order, no atomics: two runs are bitwise equal."""
+    torch.manual_seed(8)
+    x = rand(2, 4, 1, 5, layout="nhwc" if case == "gn-nhwc" else None)
+    c = x.shape[-1] if case.startswith("ln") else x.shape[1]
+    w, b = param(c), param(c)
+    dy = None
+    runs = []
+    for _ in range(2):
+        y = _run_case(case, x, w, b)[0]
+        dy = torch.randn_like(y) if dy is None else dy
+        runs.append([y, *grads(y, [x, w, b], dy)])
+    for first, second in zip(*runs, strict=True):
+        assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("case", ["ln", "rms", "gn", "bn"])
+def test_nan_propagates_to_its_group_only(case):
+    torch.manual_seed(9)
+    x = rand(4, 6, 3, 3, grad=False)
+    x[1, 2, 1, 1] = float("nan")
+    xd = x.double()
+    if case in ("ln", "rms"):
+        y = run_rows(case, x, None, None, 1e-5, block=4)
+        yd = ref_rows(case, xd, None, None, 1e-5)
+    elif case == "gn":
+        y, yd = tk.group_norm(x, 3, block=8), F.group_norm(xd, 3)
+    else:
+        y, yd = tk.batch_norm_train(x, block=8)[0], F.batch_norm(xd, None, None, training=True)
+    assert torch.equal(y.isnan().cpu(), yd.isnan().cpu()) and 0 < int(y.isnan().sum()) < y.numel()
+
+
+def test_second_order_gradients_match_the_reference():
+    """A backward with create_graph=True differentiates normkit's reference."""
+    torch.manual_seed(10)
+    x, r = rand(3, 12), rand(3, 12)
+    xi = rand(2, 4, 3, 3)
+    w, b, wc, bc = param(12), param(12), param(4), param(4)
+    rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+
+    def ops(x, r, xi, w, b, wc, bc, kernel):
+        if kernel:
+            y, h = tk.layer_norm(x, (12,), w, b, residual=r)
+            return [y, h, tk.group_norm(xi, 2, wc, bc, act="silu"),
+                    tk.batch_norm_train(xi, wc, bc)[0], tk.batch_norm_eval(xi, rm, rv, wc, bc)]
+        h = x + r
+        return [F.layer_norm(h, (12,), w, b), h, F.silu(F.group_norm(xi, 2, wc, bc)),
+                F.batch_norm(xi, None, None, wc, bc, True),
+                F.batch_norm(xi, rm.double(), rv.double(), wc, bc, False)]
+
+    inputs = [x, r, xi, w, b, wc, bc]
+    results = []
+    for kernel, args in ((True, inputs), (False, leaves(*inputs))):
+        outs = ops(*args, kernel=kernel)
+        loss = sum((o.sin() * (i + 1)).sum() for i, o in enumerate(outs))
+        first = torch.autograd.grad(loss, args, create_graph=True)
+        results.append(torch.autograd.grad(sum(g.square().sum() for g in first), args))
+    for got, want in zip(*results, strict=True):
+        close(got, want, F32, "second-order gradient")
+
+
+def test_int64_offsets_past_2_31_elements():
+    """Row, sample and channel strides beyond 2**31 elements (4 GiB of float16 address
+    space, mapped lazily: only the few elements used are ever touched)."""
+    if DEVICE == "cuda" and torch.cuda.get_device_properties(0).total_memory < 16 * 2**30:
+        pytest.skip("needs 5 GiB of free GPU memory")
+    gap = 2**31 + 64  # > int32 max, in elements
+    c, s = 3, 5
+    base = torch.empty(gap + c * s + 64, dtype=F16, device=DEVICE)
+    x = base.as_strided((2, c, s), (gap, s, 1))
+    x.copy_(torch.randn(2, c, s, dtype=F16, device=DEVICE))
+    xd = x.double()
+    rows = base.as_strided((2, c * s), (gap, 1))
+    close(tk.layer_norm(rows, (c * s,), block=8), F.layer_norm(rows.double(), (c * s,)), F16,
+          "layer_norm")
+    close(tk.group_norm(x, 3, block=4), F.group_norm(xd, 3), F16, "group_norm")
+    close(tk.batch_norm_train(x, block=4)[0], F.batch_norm(xd, None, None, training=True), F16,
+          "batch_norm")
+    del base
+
+
+# --------------------------------------------------------------------------------- API
+
+
+def test_predicates_and_errors():
+    x = rand(2, 8, grad=False)
+    assert tk.supports_layer_norm(x, (8,)) and tk.supports_rms_norm(x, 8)
+    assert not tk.supports_layer_norm(x, (4,))
+    assert not tk.supports_layer_norm(x.double(), (8,))
+    assert not tk.supports_layer_norm(x, (8,), torch.ones(7, device=DEVICE))
+    assert not tk.supports_rms_norm(x, (8,), residual=x[:1])
+    assert not tk.supports_layer_norm(torch.empty(0, 8, device=DEVICE), (8,))
+    assert not tk.supports_layer_norm(torch.randn(2, 8, device="meta"), (8,))
+    xi = rand(2, 6, 3, 3, grad=False)
+    assert tk.supports_group_norm(xi, 3, act="silu") and not tk.supports_group_norm(xi, 4)
+    assert not tk.supports_group_norm(xi, 3, act="relu")
+    assert tk.supports_batch_norm(xi) and not tk.supports_batch_norm(xi[0, 0, 0])
+    with pytest.raises(ValueError, match="num_groups to be a positive divisor of the 6"):
+        tk.group_norm(xi, 4)
+    with pytest.raises(ValueError, match="act to be one of"):
+        tk.group_norm(xi, 3, act="relu")
+    with pytest.raises(ValueError, match=r"normalized_shape=\[4\], got input of shape \(2, 8\)"):
+        tk.layer_norm(x, (4,))
+    with pytest.raises(ValueError, match="CUDA tensor, got a tensor on meta"):
+        tk.rms_norm(torch.randn(2, 8, device="meta"), (8,))
+    with pytest.raises(ValueError, match="block must be None or a power of two"):
+        tk.layer_norm(x, (8,), block=12)
+    with pytest.raises(ValueError, match="running_mean and running_var"):
+        tk.batch_norm_eval(xi, None, None)
