@@ -1,5 +1,5 @@
 # Two entry points, each doing all set-up from a fresh clone:
-#   make demo   -- virtual environment + package, then the main job
+#   make demo   -- virtual environment + package, then the main job (normkit lab)
 #   make test   -- virtual environment + package + dev tools, then the test suite
 #
 # TORCH pins the CPU build that lies on this machine's disk; elsewhere, override it
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m normkit quickstart
+	$(PY) -m normkit lab
 
 test: $(STAMP)
 	$(PY) -m ruff check .

@@ -8,6 +8,8 @@ Subcommands:
                 ``normkit doctor mymodels:make_model --input-shape 8,3,32,32``.
     bench       time normkit's ops against torch in the same process
                 (see :mod:`normkit.bench`).
+    lab         measure the articles' claims and write a report (see :mod:`normkit.lab`);
+                the main job: ``normkit lab``.
 
 The same entry point runs as ``python -m normkit``.
 """
@@ -29,8 +31,13 @@ def _build_parser() -> argparse.ArgumentParser:
         description="normkit: normalization layers for PyTorch.",
         epilog="Run 'normkit <subcommand> --help' for a subcommand's options.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{quickstart,doctor,bench}",
+    sub = parser.add_subparsers(dest="command", metavar="{lab,quickstart,doctor,bench}",
                                 title="subcommands")
+    sub.add_parser(
+        "lab",
+        add_help=False,
+        help="measure the articles' claims on real data and write report.md/report.html",
+    )
     sub.add_parser(
         "quickstart",
         add_help=False,
@@ -196,6 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return quickstart.main(rest, prog=f"{parser.prog} quickstart")
     if args.command == "doctor":
         return doctor_main(rest, prog=f"{parser.prog} doctor")
+    if args.command == "lab":
+        from .lab import cli as lab_cli
+
+        return lab_cli.main(rest, prog=f"{parser.prog} lab")
     if args.command == "bench":
         from .bench import cli as bench_cli
 

@@ -1,0 +1,42 @@
+"""The lab's experiments, in report order; each module states its claims and sources.
+
+Example:
+    >>> names()[:3]
+    ['inputs', 'bn-learning-rate', 'batch-size']
+    >>> get_experiment("rnn").title
+    'LayerNorm in recurrent networks'
+"""
+
+from __future__ import annotations
+
+from ..core import Experiment
+from .batch_size import BatchSize
+from .bn_learning_rate import BNLearningRate
+from .cost import Cost
+from .inputs import Inputs
+from .invariances import Invariances
+from .rnn import RNN
+from .smoothness import Smoothness
+from .train_eval_gap import TrainEvalGap
+from .weight_norm import WeightNormExperiment
+
+__all__ = ["EXPERIMENTS", "names", "get_experiment"]
+
+#: Every experiment, in the order of the report.
+EXPERIMENTS: tuple[Experiment, ...] = (
+    Inputs(), BNLearningRate(), BatchSize(), RNN(), TrainEvalGap(), Smoothness(),
+    WeightNormExperiment(), Invariances(), Cost(),
+)
+
+
+def names() -> list[str]:
+    """The experiments' names, in report order."""
+    return [e.name for e in EXPERIMENTS]
+
+
+def get_experiment(name: str) -> Experiment:
+    """The experiment called ``name`` (a ValueError lists the names)."""
+    for experiment in EXPERIMENTS:
+        if experiment.name == name:
+            return experiment
+    raise ValueError(f"unknown experiment {name!r}; expected one of {', '.join(names())}")

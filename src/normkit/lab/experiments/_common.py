@@ -1,0 +1,103 @@
+"""Helpers shared by the experiments: grouping records, targets, formatting.
+
+Example:
+    >>> group_by([{"seed": 0, "key": "a"}, {"seed": 1, "key": "a"}], "seed")
+    {0: [{'seed': 0, 'key': 'a'}], 1: [{'seed': 1, 'key': 'a'}]}
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+from ..core import TARGET_FRACTION
+from ..training import steps_to_target
+
+__all__ = ["group_by", "mean", "sd", "fmt_pm", "target_steps", "complete_seeds", "pct"]
+
+
+def group_by(records: Iterable[dict], field: str) -> dict:
+    """Records grouped by a top-level field, in first-seen order."""
+    out: dict = {}
+    for r in records:
+        out.setdefault(r[field], []).append(r)
+    return out
+
+
+def mean(values: Sequence[float]) -> float:
+    """The mean of the non-``None`` values (NaN if there are none).
+
+    Example:
+        >>> mean([1.0, None, 3.0])
+        2.0
+    """
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else math.nan
+
+
+def sd(values: Sequence[float]) -> float:
+    """The sample standard deviation of the non-``None`` values (0 for one value)."""
+    vals = [v for v in values if v is not None]
+    return statistics.stdev(vals) if len(vals) > 1 else 0.0
+
+
+def fmt_pm(values: Sequence[float], scale: float = 1.0, digits: int = 3) -> str:
+    """``mean ± sd`` of the values times ``scale`` (``—`` when there is none).
+
+    Example:
+        >>> fmt_pm([0.9, 0.92], scale=100, digits=3)
+        '91 ± 1.41'
+    """
+    vals = [v * scale for v in values if v is not None]
+    if not vals:
+        return "—"
+    return f"{statistics.fmean(vals):.{digits}g} ± {sd(vals):.{digits}g}"
+
+
+def pct(value: float) -> str:
+    """A fraction as a percentage with one decimal.
+
+    Example:
+        >>> pct(0.9734)
+        '97.3%'
+    """
+    return f"{100 * value:.1f}%"
+
+
+def complete_seeds(records: Sequence[dict], n_configs: int) -> list[int]:
+    """The seeds that have a record for every one of the ``n_configs`` configurations."""
+    counts: dict[int, int] = {}
+    for r in records:
+        counts[r["seed"]] = counts.get(r["seed"], 0) + 1
+    return sorted(s for s, c in counts.items() if c >= n_configs)
+
+
+def target_steps(results: dict[str, dict], budget: int) -> tuple[float, dict[str, int | None],
+                                                                  dict[str, float]]:
+    """Steps to the lab's target accuracy for each variant run with one seed.
+
+    The target is :data:`normkit.lab.core.TARGET_FRACTION` of the best test accuracy
+    any of the ``results`` (variant -> result with a ``curve``) reached. A variant
+    that never reaches it is counted as ``budget`` plus one evaluation interval (a lower
+    bound), and reported as ``None`` in the second dict.
+
+    Returns:
+        ``(target, steps or None per variant, steps used for effects per variant)``.
+
+    Example:
+        >>> res = {"a": {"curve": {"step": [0, 10, 20], "test_acc": [0.1, 0.5, 0.95]}},
+        ...        "b": {"curve": {"step": [0, 10, 20], "test_acc": [0.1, 0.2, 0.3]}}}
+        >>> target_steps(res, budget=20)
+        (0.855, {'a': 20, 'b': None}, {'a': 20, 'b': 30})
+    """
+    best = max(max(a for a in r["curve"]["test_acc"] if a is not None) for r in results.values())
+    target = round(TARGET_FRACTION * best, 6)
+    reached, used = {}, {}
+    for name, r in results.items():
+        steps = r["curve"]["step"]
+        interval = steps[1] - steps[0] if len(steps) > 1 else budget
+        s = steps_to_target(steps, r["curve"]["test_acc"], target)
+        reached[name] = s
+        used[name] = s if s is not None and s > 0 else (budget + interval if s is None else 1)
+    return target, reached, used

@@ -1,0 +1,73 @@
+"""``normkit lab compare`` on a small model and data defined in tests/lab_models.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+
+from normkit.lab import cli  # noqa: E402
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _tests_on_path(monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(TESTS), *sys.path])
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cli(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_compare_trains_each_norm_at_each_batch_size_and_recommends(tmp_path):
+    code, out, err = _cli(
+        "compare", "--model", "lab_models:make_model", "--data", "lab_models:make_loaders",
+        "--norms", "bn,gn,none", "--batch-sizes", "16,4", "--epochs", "1", "--seeds", "1",
+        "--out", str(tmp_path), "--threads", "1", "--progress", "none")
+    assert code == 0, err
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text()
+               .splitlines()]
+    assert sorted((r["config"]["norm"], r["config"]["batch_size"]) for r in records) == [
+        ("bn", 4), ("bn", 16), ("gn", 4), ("gn", 16), ("none", 4), ("none", 16)]
+    for r in records:
+        assert r["result"]["error"] is None and r["result"]["n_test"] == 128
+        assert r["config"]["lr"] == pytest.approx(0.05 * r["config"]["batch_size"] / 16)
+        assert r["result"]["steps"] == 256 // r["config"]["batch_size"]
+    text = (tmp_path / "report.md").read_text()
+    assert "**Recommendation**" in text and "batch 16: **" in text and "batch 4: **" in text
+    assert "(figures/compare.png)" in text
+    assert text.count("data:image/png;base64,") == 0
+    assert (tmp_path / "report.html").read_text().count("data:image/png;base64,") == 1
+    # the report can be rebuilt from the folder alone
+    code, out, _ = _cli("report", str(tmp_path))
+    assert code == 0 and "Report:" in out
+
+
+def test_compare_rejects_norms_the_model_cannot_take(tmp_path):
+    code, _, err = _cli(
+        "compare", "--model", "lab_models:make_model", "--data", "lab_models:make_loaders",
+        "--norms", "bn,rms", "--out", str(tmp_path), "--progress", "none")
+    assert code == 2
+    assert "--norms 'rms'" in err and "expected one of bn, gn, in, ln/ln2d, none" in err
+
+
+def test_compare_reports_a_bad_spec_in_the_callers_terms(tmp_path):
+    code, _, err = _cli("compare", "--model", "lab_models:nope", "--data",
+                        "lab_models:make_loaders", "--out", str(tmp_path))
+    assert code == 2
+    assert "expected module 'lab_models' to define 'nope'" in err
