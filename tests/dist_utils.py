@@ -33,6 +33,7 @@ def _entry(fn, rank, world_size, port, out_dir, args):
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=30))
         result = {"ok": True, "value": fn(rank, world_size, *args)}
+        dist.barrier()  # no rank tears its sockets down while a peer still talks to it
     except BaseException:  # report everything to the parent
         result = {"ok": False, "error": traceback.format_exc()}
     finally:

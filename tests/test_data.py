@@ -497,6 +497,7 @@ def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         except ValueError as exc:
             out["all_empty"] = str(exc)
         torch.save(out, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # no rank tears its sockets down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 

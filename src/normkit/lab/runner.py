@@ -112,6 +112,8 @@ class Distributed:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if self.world_size > 1:
+                    dist.barrier()  # no rank closes its sockets while a peer still talks
                 dist.destroy_process_group()
             self.created = False
 
