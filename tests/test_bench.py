@@ -222,8 +222,15 @@ def test_core_ops_compute_what_their_baseline_computes(name):
     torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
 
 
+def _hide_top_level_fused(monkeypatch):
+    """The fused classes are also re-exported from normkit: hide those too."""
+    for cls in ("AddLayerNorm", "AddRMSNorm", "BatchNormAct2d", "GroupNormAct"):
+        monkeypatch.delattr(normkit, cls, raising=False)
+
+
 def test_fused_ops_are_skipped_with_a_reason_when_absent(monkeypatch):
     monkeypatch.setitem(sys.modules, "normkit.norms.fused", types.ModuleType("fused"))
+    _hide_top_level_fused(monkeypatch)
     for name in FUSED:
         reason = get_op(name).available()
         assert reason is not None and "normkit.norms.fused has no" in reason
@@ -258,6 +265,7 @@ def fake_fused(monkeypatch):
     module.AddLayerNorm = _BrokenAddLayerNorm
     module.BatchNormAct2d = _BatchNormAct2d
     monkeypatch.setitem(sys.modules, "normkit.norms.fused", module)
+    _hide_top_level_fused(monkeypatch)
     return module
 
 
@@ -428,6 +436,7 @@ def test_cli_unknown_op_lists_the_valid_ones(capsys):
 
 def test_cli_unavailable_fused_op_is_a_usage_error(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "normkit.norms.fused", types.ModuleType("fused"))
+    _hide_top_level_fused(monkeypatch)
     err = _usage_error(capsys, "add_rms_norm", "--shapes", "4x8")
     assert "op 'add_rms_norm' is not available here: normkit.norms.fused has no AddRMSNorm" in err
 

@@ -27,6 +27,14 @@ from .norms.batch import (
     FrozenBatchNorm3d,
     renorm_limits,
 )
+from .norms.fused import (
+    AddLayerNorm,
+    AddRMSNorm,
+    BatchNormAct1d,
+    BatchNormAct2d,
+    BatchNormAct3d,
+    GroupNormAct,
+)
 from .norms.group import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .norms.layer import LayerNorm, LayerNorm2d, RMSNorm
 from .norms.mean_only import MeanOnlyBatchNorm1d, MeanOnlyBatchNorm2d
@@ -100,4 +108,10 @@ __all__ = [
     "DoctorReport",
     "recommend",
     "Recommendation",
+    "AddLayerNorm",
+    "AddRMSNorm",
+    "BatchNormAct1d",
+    "BatchNormAct2d",
+    "BatchNormAct3d",
+    "GroupNormAct",
 ]

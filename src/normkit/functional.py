@@ -39,6 +39,8 @@ __all__ = [
     "layer_norm2d",
     "rms_norm",
     "group_norm",
+    "add_layer_norm",  # noqa: F822 (resolved by the module __getattr__ below)
+    "add_rms_norm",  # noqa: F822
 ]
 
 
@@ -461,3 +463,14 @@ def group_norm(
     dims = tuple(range(2, grouped.dim()))
     y = normalize(grouped, dims, w, b, eps, backend=backend)[0]
     return y.flatten(1, 2)
+
+
+def __getattr__(name: str):
+    """``add_layer_norm`` and ``add_rms_norm`` live with the fused modules
+    (:mod:`normkit.norms.fused`, which itself uses this module); they are part of the
+    functional API too, resolved on first use (PEP 562)."""
+    if name in ("add_layer_norm", "add_rms_norm"):
+        from .norms import fused
+
+        return getattr(fused, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,1341 @@
+r"""Fused ops: residual add + LayerNorm/RMSNorm, and BatchNorm/GroupNorm + activation.
+
+Two patterns dominate the normalization layers of modern networks, and eager PyTorch
+runs each of them as separate ops, each with its own passes over memory, its own
+freshly allocated (page-faulted) output and its own autograd node:
+
+* the **pre-norm Transformer block**, ``new_residual = x + residual`` then
+  ``normed = norm(new_residual)`` (:func:`add_layer_norm`, :func:`add_rms_norm`,
+  :class:`AddLayerNorm`, :class:`AddRMSNorm`);
+* the **CNN block**, ``act(batch_norm(x))`` (:func:`batch_norm_act`,
+  :class:`BatchNormAct1d`/``2d``/``3d``, :func:`group_norm_act`, :class:`GroupNormAct`),
+  optionally as In-Place Activated BatchNorm (``memory="inplace"``).
+
+Each is one autograd Function with a hand-derived backward (layer 2 of normkit's
+design); the plain compositions are the references, and ``backend="reference"`` runs
+them. The statistics come from :mod:`normkit._stats` or from torch's own kernels where
+:mod:`normkit.kernels.native` proves them accurate for the input at hand (otherwise the
+compensated path of :mod:`normkit.norms._core` takes over), so a large common offset
+costs speed, never precision.
+
+Residual add + norm
+-------------------
+With ``s = x + residual``, ``normed = norm(s)``, the gradient reaching ``s`` is
+``d(new_residual) + norm'(s)^T d(normed)``; ``x`` and ``residual`` receive that same
+tensor (the two gradients merge), so the backward computes one ``dx`` and returns it
+for both. LayerNorm runs torch's fused kernels on the sum where they are accurate
+(float32/float64 sums whose rows have ``|mean| / std <= 32``, see
+:mod:`normkit.kernels.native`), normkit's compensated core otherwise (recomputed in
+backward); RMSNorm has no such hazard, and its backward is
+
+.. math::
+    t = d\hat y \odot s,\quad dw = t^\top r,\quad
+    ds = d(\text{new\_residual}) + r \odot \bigl(d\hat y\, w - s\, r^2\, (t\,w)/K\bigr)
+
+with ``r = 1/sqrt(mean(s^2) + eps)`` per row: the one product ``t`` feeds both the
+weight gradient and the row projection (two matrix-vector products), and is then
+reused as the output buffer.
+
+Norm + activation
+-----------------
+``z = act(y)``, ``y = xhat * gamma + beta``. Where the activation's derivative can be
+read off its output (ReLU, LeakyReLU and ELU with non-negative slope, identity) it is
+applied in place on the normalized output, so no second activation-sized buffer is
+allocated or kept; SiLU and GELU keep ``y`` for their derivative, as torch does. The
+norm's backward then runs on the resulting ``dy``. BatchNorm statistics come from
+two fast row reductions (:func:`_row_moments`) for contiguous input, from torch's own
+kernels for channels-last input (:func:`_fast_batch_norm`), and GroupNorm's from torch's
+fused kernel
+(contiguous) or from per-channel sums (channels-last), each kept only where its
+accuracy bound holds for the data at hand; otherwise from normkit's compensated core.
+
+In-Place Activated BatchNorm (Rota Bulò, Porzi & Kontschieder, CVPR 2018)
+--------------------------------------------------------------------------
+With ``memory="inplace"`` (invertible activations: LeakyReLU with a positive slope,
+ELU with a positive ``alpha``, identity) only the *output* ``z`` and per-channel
+statistics are saved. The backward recovers ``y = act^{-1}(z)`` and, with
+``u = y - beta = gamma * xhat``,
+
+.. math::
+    \frac{\partial L}{\partial\gamma} = \frac{\sum dy\,u}{\gamma},\quad
+    \frac{\partial L}{\partial x} = \sigma^{-1}\Bigl(\gamma\,(dy - \overline{dy})
+        - u\,\frac{\overline{dy\,u}}{\gamma}\Bigr),
+
+i.e. torch's BatchNorm backward run on ``y`` with mean ``beta``, inverse std
+``1/gamma`` and weight ``gamma^2 / sigma``.
+
+*The choice for gamma.* inplace_abn makes the affine invertible by training
+``|gamma| + eps`` instead of ``gamma``; that changes the forward, so a checkpoint of a
+plain BatchNorm would compute something else. normkit keeps the forward exact (a
+drop-in) and decides per channel instead: a channel is *recoverable* when
+``|gamma| >= |beta| / R`` and ``|gamma|`` is a normal float, with ``R = 64`` for
+float32/float64 outputs and ``R = 4`` for float16/bfloat16 (recovering ``xhat`` from
+the stored output costs about ``u * (|xhat| + |beta/gamma|)``, ``u`` the output's unit
+roundoff, so ``R`` bounds the extra error by ``R u``). For the other channels --
+e.g. ``gamma`` initialised to zero, as in zero-init residual blocks -- the normalized
+input of just those channels is saved too. Gradients therefore match the reference
+for every ``gamma``; the memory saving holds for the recoverable channels. ELU's
+inverse ``log1p(z / alpha)`` recovers ``y < 0`` with an absolute error of about
+``u * exp(-y)`` (1e-4 at ``y = -7`` in float32, 0.2 at ``y = -4`` in bfloat16), so
+strongly negative pre-activations get less accurate gradients -- inherent to storing
+only ELU's output (inplace_abn has the same limit); LeakyReLU and identity are exact.
+
+*When the input buffer is overwritten.* In training with ``memory="inplace"``, the
+output is written into the input's memory (like ``nn.ReLU(inplace=True)``) when the
+input is an intermediate result of the autograd graph (it requires grad and is not a
+leaf), is not a view, is dense (contiguous or channels-last) and float32/float64.
+Autograd's version counter then rejects, at backward, any op that saved the input
+before it was overwritten; reading the input *after* the layer (e.g. a skip
+connection that adds the layer's input) would see the output, as with any in-place
+op. Otherwise the output goes to a new buffer, and the memory saving is the same
+(the input is not saved, so it is freed as soon as the caller drops it).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as TF
+
+from .. import _stats
+from .. import functional as F
+from ..kernels import native
+from ._base import BackendMixin
+from ._core import (
+    affine_view,
+    check_backend,
+    check_channels,
+    check_floating,
+    compiling,
+    normalize,
+    reference_normalize,
+    shape_str,
+)
+from .batch import _BatchNormForward
+
+__all__ = [
+    "ACTIVATIONS",
+    "INVERTIBLE_ACTIVATIONS",
+    "MEMORY_MODES",
+    "Activation",
+    "make_activation",
+    "add_layer_norm",
+    "add_rms_norm",
+    "batch_norm_act",
+    "group_norm_act",
+    "AddLayerNorm",
+    "AddRMSNorm",
+    "BatchNormAct1d",
+    "BatchNormAct2d",
+    "BatchNormAct3d",
+    "GroupNormAct",
+]
+
+#: Activations the fused norm + activation layers accept.
+ACTIVATIONS = ("relu", "leaky_relu", "elu", "silu", "gelu", "identity")
+#: Activations ``memory="inplace"`` accepts (their output determines their input).
+INVERTIBLE_ACTIVATIONS = ("leaky_relu", "elu", "identity")
+#: ``memory`` modes of :class:`BatchNormAct2d` and friends.
+MEMORY_MODES = ("standard", "inplace")
+
+_ATEN = torch.ops.aten
+_WIDE = (torch.float32, torch.float64)
+#: Largest |beta| / |gamma| for which a channel's input is recovered from its output.
+_RECOVERY_RATIO = {torch.float64: 64.0, torch.float32: 64.0, torch.float16: 4.0,
+                   torch.bfloat16: 4.0}
+
+
+# --------------------------------------------------------------------------- activations
+
+
+class Activation(NamedTuple):
+    """An activation of the fused layers: forward, derivative and (where it exists) inverse.
+
+    Build it with :func:`make_activation`, which validates the arguments.
+
+    Example:
+        >>> act = make_activation("leaky_relu", negative_slope=0.1)
+        >>> z = act(torch.tensor([-2.0, 3.0]))
+        >>> z, act.inverse(z)
+        (tensor([-0.2000,  3.0000]), tensor([-2.,  3.]))
+    """
+
+    name: str
+    negative_slope: float = 0.01
+    alpha: float = 1.0
+
+    @property
+    def from_output(self) -> bool:
+        """True when the derivative can be computed from the output alone."""
+        if self.name in ("relu", "identity"):
+            return True
+        if self.name == "leaky_relu":
+            return self.negative_slope >= 0.0
+        if self.name == "elu":
+            return self.alpha >= 0.0
+        return False
+
+    @property
+    def invertible(self) -> bool:
+        """True when the input can be recovered from the output (``memory="inplace"``)."""
+        if self.name == "identity":
+            return True
+        if self.name == "leaky_relu":
+            return self.negative_slope > 0.0
+        if self.name == "elu":
+            return self.alpha > 0.0
+        return False
+
+    def __call__(self, y: Tensor) -> Tensor:
+        """The activation, out of place (differentiable by autograd)."""
+        if self.name == "relu":
+            return TF.relu(y)
+        if self.name == "leaky_relu":
+            return TF.leaky_relu(y, self.negative_slope)
+        if self.name == "elu":
+            return TF.elu(y, self.alpha)
+        if self.name == "silu":
+            return TF.silu(y)
+        if self.name == "gelu":
+            return TF.gelu(y)
+        return y
+
+    def apply_(self, y: Tensor) -> Tensor:
+        """The activation in place on ``y`` (a buffer no autograd node has saved)."""
+        if self.name == "relu":
+            y.relu_()
+        elif self.name == "leaky_relu":
+            TF.leaky_relu_(y, self.negative_slope)
+        elif self.name == "elu":
+            TF.elu_(y, self.alpha)
+        elif self.name == "silu":
+            TF.silu(y, inplace=True)
+        elif self.name == "gelu":
+            _ATEN.gelu_(y)
+        return y
+
+    def backward(self, dz: Tensor, z: Tensor | None, y: Tensor | None) -> Tensor:
+        """``dL/dy`` from ``dL/dz`` and the output ``z`` (``from_output``) or the input ``y``."""
+        name, use_z = self.name, self.from_output
+        if name == "identity":
+            return dz
+        if name == "relu":
+            return _ATEN.threshold_backward(dz, z if use_z else y, 0)
+        if name == "leaky_relu":
+            return _ATEN.leaky_relu_backward(dz, z if use_z else y, self.negative_slope, use_z)
+        if name == "elu":
+            return _ATEN.elu_backward(dz, self.alpha, 1, 1, use_z, z if use_z else y)
+        if name == "silu":
+            return _ATEN.silu_backward(dz, y)
+        return _ATEN.gelu_backward(dz, y)
+
+    def inverse(self, z: Tensor) -> Tensor:
+        """The input ``y`` with ``act(y) = z`` (invertible activations; ``z`` itself for identity).
+
+        ELU's inverse ``log1p(z / alpha)`` is clamped where ``z`` has saturated at
+        ``-alpha`` (there ``dL/dy = 0``, so only finiteness matters).
+        """
+        if self.name == "identity":
+            return z
+        if self.name == "leaky_relu":
+            return TF.leaky_relu(z, 1.0 / self.negative_slope)
+        tiny = torch.finfo(z.dtype).eps
+        negative = z.clamp(max=0).div_(self.alpha).clamp_(min=-1.0 + tiny).log1p_()
+        return negative.add_(z.clamp(min=0))
+
+
+def make_activation(act: str, negative_slope: float = 0.01, alpha: float = 1.0,
+                    memory: str = "standard", who: str = "make_activation") -> Activation:
+    """Validate an activation name (and ``memory`` mode) and return its :class:`Activation`.
+
+    Example:
+        >>> make_activation("silu")
+        Activation(name='silu', negative_slope=0.01, alpha=1.0)
+        >>> make_activation("relu", memory="inplace")
+        Traceback (most recent call last):
+        ...
+        ValueError: make_activation with memory='inplace' expected an invertible activation ...
+    """
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{who} expected act to be one of {ACTIVATIONS}, got {act!r}")
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"{who} expected memory to be one of {MEMORY_MODES}, got {memory!r}")
+    activation = Activation(act, float(negative_slope), float(alpha))
+    if memory == "inplace" and not activation.invertible:
+        raise ValueError(
+            f"{who} with memory='inplace' expected an invertible activation "
+            f"({', '.join(INVERTIBLE_ACTIVATIONS)}; leaky_relu needs negative_slope > 0 and "
+            f"elu needs alpha > 0), got act={act!r}"
+            + (f" with negative_slope={negative_slope}" if act == "leaky_relu" else "")
+            + (f" with alpha={alpha}" if act == "elu" else "")
+            + "; use memory='standard' for it"
+        )
+    return activation
+
+
+# --------------------------------------------------------------------------- residual + norm
+
+
+def _reference_backend(backend: str) -> bool:
+    """``backend="reference"``, or ``"auto"`` under torch.compile (as in normkit's core:
+    the reference math has no data-dependent branches and Inductor fuses it)."""
+    return check_backend(backend) == "reference" or (backend == "auto" and compiling())
+
+
+def _same_dtype(x: Tensor, *params: Tensor | None) -> bool:
+    return all(p is None or p.dtype == x.dtype for p in params)
+
+
+def _residual_dtype(x: Tensor, residual: Tensor | None, in_fp32: bool) -> torch.dtype:
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return torch.promote_types(dtype, torch.float32) if in_fp32 else dtype
+
+
+def _check_add_inputs(x: Tensor, residual: Tensor | None, shape: tuple[int, ...], who: str,
+                      **params: Tensor | None) -> None:
+    F._check_trailing(x, shape, who, **params)
+    if residual is None:
+        return
+    check_floating(residual, who)
+    if residual.shape != x.shape:
+        raise ValueError(
+            f"{who} expected residual of the same shape as x {shape_str(x)}, got residual "
+            f"of shape {shape_str(residual)}"
+        )
+    if residual.device != x.device:
+        raise ValueError(f"{who} expected residual on x's device {x.device}, got "
+                         f"{residual.device}")
+
+
+def _residual_sum(x: Tensor, residual: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``x + residual`` in ``dtype``, contiguous (a new tensor unless it is ``x`` itself)."""
+    if residual is None:
+        s = x.to(dtype)
+    elif torch.promote_types(x.dtype, residual.dtype) == dtype:
+        s = torch.add(x, residual)
+    else:
+        s = torch.add(x.to(dtype), residual.to(dtype))
+    return s if s.is_contiguous() else s.contiguous()
+
+
+class _AddNormFunction(torch.autograd.Function):
+    """``s = x + residual``, ``normed = norm(s)`` (LayerNorm or RMSNorm) in one node.
+
+    Saves ``s`` (which is also an output), the parameters and the row statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, shape, eps, center, res_dtype, use_native):
+        ctx.set_materialize_grads(False)
+        s = _residual_sum(x, residual, res_dtype)
+        k = _stats.reduced_count(shape, range(len(shape)))
+        rows = s.view(-1, k)  # (M, K)
+        w = None if weight is None else weight.reshape(k)
+        b = None if bias is None else bias.reshape(k)
+        mean = rstd = None
+        if center:
+            y = None
+            if use_native and s.dtype in _WIDE and _same_dtype(s, weight, bias):
+                y, mean, rstd = torch.native_layer_norm(s, shape, weight, bias, eps)
+                if not native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
+                    y = mean = rstd = None
+            if y is None:  # compensated statistics (normkit's core), recomputed in backward
+                y = normalize(rows, (1,), w, b, eps)[0].view(s.shape)
+        else:
+            sc = _stats.upcast(rows)
+            rstd = _stats.mean_square(sc, (1,)).add_(eps).rsqrt_()  # (M, 1)
+            y = torch.mul(sc, rstd)
+            if w is not None:
+                y.mul_(w)
+            y = y.view(s.shape)
+        ctx.shape, ctx.eps, ctx.center, ctx.k = shape, eps, center, k
+        ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
+        ctx.save_for_backward(s, weight, bias, mean, rstd)
+        normed = y.to(x.dtype)
+        return (normed, s) if s is not x else normed
+
+    @staticmethod
+    def backward(ctx, dnormed, dres=None):
+        s, weight, bias, mean, rstd = ctx.saved_tensors
+        x_dtype, r_dtype = ctx.dtypes
+        need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
+        dw = db = None
+        if dnormed is None:
+            ds = dres
+        elif torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+            ds, dw, db = _reference_grads(ctx, s, weight, bias, dnormed)
+            if dres is not None:
+                ds = ds + dres
+        elif ctx.center and mean is None:
+            ds, dw, db = _recomputed_grads(ctx, s, weight, bias, dnormed)
+            if dres is not None:
+                ds = ds.add_(dres)
+        elif ctx.center:
+            mask = [True, need_w, need_b]
+            ds, dw, db = _ATEN.native_layer_norm_backward(
+                dnormed.to(s.dtype), s, ctx.shape, mean, rstd, weight, bias, mask)
+            if dres is not None:
+                ds.add_(dres)
+        else:
+            ds, dw = _rms_backward(ctx, s, weight, rstd, dnormed, dres, need_w)
+        dx = None if not need_x or ds is None else ds.to(x_dtype)
+        dr = None if not need_r or ds is None else ds.to(r_dtype)
+        return dx, dr, dw, db, None, None, None, None, None
+
+
+def _rms_backward(ctx, s, weight, rstd, dnormed, dres, need_w):
+    """RMSNorm backward plus the residual gradient, with one (M, K) temporary."""
+    k = ctx.k
+    sc = _stats.upcast(s.view(-1, k))  # (M, K)
+    g = _stats.upcast(dnormed.reshape(-1, k))
+    tmp = g * sc  # (M, K): dnormed * s
+    dw = None
+    if weight is not None:
+        wc = weight.reshape(k).to(tmp.dtype)
+        if need_w:
+            dw = (rstd.view(1, -1) @ tmp).view(weight.shape).to(weight.dtype)  # sum_m r dy s
+        proj = (tmp @ wc).view(-1, 1)  # (M, 1): sum_k dy w s
+        ds = torch.mul(g, wc, out=tmp)
+    else:
+        proj = tmp.sum(1, keepdim=True)
+        ds = tmp.copy_(g)
+    coef = proj.mul_(rstd.square()).div_(k)  # (M, 1): r^2 (dy w . s) / K
+    ds.addcmul_(sc, coef, value=-1.0)
+    if dres is not None and dres.dtype == ds.dtype:
+        ds = torch.addcmul(dres.reshape(ds.shape), ds, rstd, out=ds)
+    else:
+        ds.mul_(rstd)
+        if dres is not None:
+            ds.add_(dres.reshape(ds.shape))
+    return ds.view(s.shape), dw
+
+
+def _grad_inputs(tensors, needs):
+    """Detached copies that require grad where ``needs`` says so (for a recomputation)."""
+    return [None if t is None else t.detach().requires_grad_(need)
+            for t, need in zip(tensors, needs, strict=True)]
+
+
+def _recomputed_grads(ctx, s, weight, bias, dnormed):
+    """LayerNorm gradients through normkit's compensated core (the ill-conditioned path)."""
+    k = ctx.k
+    s_, w_, b_ = _grad_inputs((s, weight, bias), (True, *ctx.needs_input_grad[2:4]))
+    with torch.enable_grad():
+        y = normalize(s_.view(-1, k), (1,), None if w_ is None else w_.view(k),
+                      None if b_ is None else b_.view(k), ctx.eps)[0]
+        return _grads_of(y, (s_, w_, b_), dnormed.reshape(y.shape), create_graph=False)
+
+
+def _reference_grads(ctx, s, weight, bias, dnormed):
+    """Differentiable gradients (``create_graph=True``) from the reference math."""
+    dims = tuple(range(s.dim() - len(ctx.shape), s.dim()))
+    with torch.enable_grad():
+        y = reference_normalize(s, dims, weight, bias, ctx.eps, ctx.center)[0]
+        needs = (True, *ctx.needs_input_grad[2:4])
+        return _grads_of(y, (s, weight, bias), dnormed.to(y.dtype), create_graph=True,
+                         needs=needs)
+
+
+def _grads_of(output, inputs, grad, create_graph, needs=None):
+    """``torch.autograd.grad`` over the inputs that need it, ``None`` for the others."""
+    needs = [t is not None and t.requires_grad for t in inputs] if needs is None else [
+        need and t is not None and t.requires_grad for t, need in zip(inputs, needs,
+                                                                      strict=True)]
+    wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
+    grads = iter(torch.autograd.grad(output, wanted, grad, create_graph=create_graph,
+                                     allow_unused=True)) if wanted else iter(())
+    return [next(grads) if need else None for need in needs]
+
+
+def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual_in_fp32,
+              backend, who):
+    shape = F._as_shape(normalized_shape)
+    _check_add_inputs(x, residual, shape, who, weight=weight, bias=bias)
+    res_dtype = _residual_dtype(x, residual, residual_in_fp32)
+    if eps is None:  # torch's RMSNorm rule, for the dtype of the normalized sum
+        eps = torch.finfo(_stats.compute_dtype(res_dtype)).eps
+    if _reference_backend(backend) or x.numel() == 0:
+        s = x.to(res_dtype) if residual is None else x.to(res_dtype) + residual.to(res_dtype)
+        dims = tuple(range(s.dim() - len(shape), s.dim()))
+        if s.numel() == 0:
+            return F._empty_result(s, weight, bias).to(x.dtype), s
+        y = reference_normalize(s, dims, weight, bias, eps, center)[0]
+        return y.to(x.dtype), s
+    if residual is None and res_dtype == x.dtype and center:
+        # nothing to add: the plain LayerNorm (torch's kernel where accurate), x passes on
+        return F.layer_norm(x, shape, weight, bias, eps, backend=backend), x
+    out = _AddNormFunction.apply(x, residual, weight, bias, shape, eps, center, res_dtype,
+                                 backend == "auto")
+    return (out, x) if isinstance(out, Tensor) else out
+
+
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    residual_in_fp32: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    r"""Residual add then LayerNorm, the pre-norm Transformer step, in one autograd node.
+
+    .. math::
+        s = x + r,\qquad
+        \mathrm{normed} = \frac{s - \mathrm{E}[s]}{\sqrt{\mathrm{Var}[s] + \epsilon}}\gamma + \beta
+
+    Returns ``(normed, new_residual)`` with ``new_residual = s``, like
+    flash-attention's ``layer_norm_fn(..., prenorm=True)``. Same values as
+    ``layer_norm(x + residual)``, faster on CPU: the backward merges the gradient of
+    ``new_residual`` and the norm's into one tensor returned for both ``x`` and
+    ``residual``. Statistics are normkit's: torch's kernel where it is accurate for the
+    data (:mod:`normkit.kernels.native`), the compensated path otherwise, so rows at a
+    large offset keep their digits.
+
+    Args:
+        x: ``(*, *normalized_shape)``, the sublayer output.
+        residual: the residual stream, same shape, or ``None`` (then ``s = x``).
+        normalized_shape: trailing shape to normalize over.
+        weight, bias: elementwise affine of shape ``normalized_shape`` or ``None``.
+        eps: added to the variance. Default: ``1e-5``.
+        residual_in_fp32: keep ``new_residual`` in (at least) float32 even for
+            float16/bfloat16 ``x``. Default: ``False``.
+        backend: ``"auto"``, ``"eager"`` (compensated statistics always) or
+            ``"reference"``. Default: ``"auto"``.
+
+    Returns:
+        ``normed`` in ``x``'s dtype and ``new_residual`` in the promoted dtype of ``x``
+        and ``residual`` (at least float32 with ``residual_in_fp32``). With
+        ``residual=None`` and no dtype change, ``new_residual`` is ``x`` itself.
+
+    Example:
+        >>> x, res = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+        >>> normed, new_res = add_layer_norm(x, res, 16)
+        >>> ref = torch.nn.functional.layer_norm(x + res, (16,))
+        >>> torch.allclose(normed, ref, atol=1e-5), torch.equal(new_res, x + res)
+        (True, True)
+    """
+    return _add_norm(x, residual, normalized_shape, weight, bias, eps, True,
+                     residual_in_fp32, backend, "add_layer_norm")
+
+
+def add_rms_norm(
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    residual_in_fp32: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    r"""Residual add then RMSNorm (Zhang & Sennrich 2019) in one autograd node.
+
+    .. math:: s = x + r,\qquad \mathrm{normed} = \frac{s}{\sqrt{\mathrm{E}[s^2] + \epsilon}}\gamma
+
+    Returns ``(normed, new_residual)``; see :func:`add_layer_norm` for the dtypes.
+    ``eps=None`` uses the machine epsilon of the compute dtype (float32 for 16- and
+    32-bit input, float64 for float64), as torch does.
+
+    Args:
+        x: ``(*, *normalized_shape)``, the sublayer output.
+        residual: the residual stream, same shape, or ``None``.
+        normalized_shape: trailing shape to normalize over.
+        weight: elementwise scale of shape ``normalized_shape`` or ``None``.
+        eps: added to the mean square, or ``None``. Default: ``None``.
+        residual_in_fp32: keep ``new_residual`` in at least float32. Default: ``False``.
+        backend: ``"auto"``/``"eager"`` (the fused node) or ``"reference"``.
+
+    Example:
+        >>> x, res = torch.randn(4, 8), torch.randn(4, 8)
+        >>> normed, new_res = add_rms_norm(x, res, 8)
+        >>> ref = torch.nn.functional.rms_norm(x + res, (8,))
+        >>> torch.allclose(normed, ref, atol=1e-5)
+        True
+    """
+    return _add_norm(x, residual, normalized_shape, weight, None, eps, False,
+                     residual_in_fp32, backend, "add_rms_norm")
+
+
+class _ResidualMixin:
+    """The ``residual_in_fp32`` option and the ``forward(x, residual=None)`` contract."""
+
+    def __init__(self, *args, residual_in_fp32: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.residual_in_fp32 = bool(residual_in_fp32)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        return f"{base}, residual_in_fp32=True" if self.residual_in_fp32 else base
+
+
+class AddLayerNorm(_ResidualMixin, BackendMixin, nn.LayerNorm):
+    r"""Residual add then LayerNorm: ``forward(x, residual=None) -> (normed, new_residual)``.
+
+    The pre-norm Transformer block's ``h = h + sublayer(...)``; ``ln(h)`` as one layer
+    (see :func:`add_layer_norm` for the math and the speed-up). A subclass of
+    :class:`torch.nn.LayerNorm`: same constructor, parameters and ``state_dict``, so a
+    checkpoint of ``nn.LayerNorm`` loads into it and back.
+
+    Args:
+        normalized_shape: trailing shape to normalize over.
+        eps: added to the variance. Default: ``1e-5``.
+        elementwise_affine: learnable ``weight`` (and ``bias``). Default: ``True``.
+        bias: learnable ``bias``. Default: ``True``.
+        residual_in_fp32: keep the residual stream in float32. Default: ``False``.
+        backend: ``"auto"``, ``"eager"`` or ``"reference"``. Default: ``"auto"``.
+
+    Shape:
+        - x, residual: :math:`(*, \text{normalized\_shape})`; outputs: same.
+
+    Example:
+        >>> import torch, normkit
+        >>> ln = AddLayerNorm(16)
+        >>> x, res = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+        >>> normed, res = ln(x, res)
+        >>> normed.shape, torch.allclose(normed.mean(-1), torch.zeros(2, 5), atol=1e-5)
+        (torch.Size([2, 5, 16]), True)
+    """
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return add_layer_norm(x, residual, self.normalized_shape, self.weight, self.bias,
+                              self.eps, residual_in_fp32=self.residual_in_fp32,
+                              backend=self.backend)
+
+
+class AddRMSNorm(_ResidualMixin, BackendMixin, nn.RMSNorm):
+    r"""Residual add then RMSNorm: ``forward(x, residual=None) -> (normed, new_residual)``.
+
+    See :func:`add_rms_norm`. A subclass of :class:`torch.nn.RMSNorm` (same
+    ``state_dict``); ``eps=None`` uses the float32 (or float64) machine epsilon.
+
+    Args:
+        normalized_shape: trailing shape to normalize over.
+        eps: added to the mean square, or ``None``. Default: ``None``.
+        elementwise_affine: learnable ``weight``. Default: ``True``.
+        residual_in_fp32: keep the residual stream in float32. Default: ``False``.
+        backend: ``"auto"``, ``"eager"`` or ``"reference"``. Default: ``"auto"``.
+
+    Shape:
+        - x, residual: :math:`(*, \text{normalized\_shape})`; outputs: same.
+
+    Example:
+        >>> import torch
+        >>> norm = AddRMSNorm(8)
+        >>> normed, res = norm(torch.randn(3, 8), torch.randn(3, 8))
+        >>> torch.allclose(normed.square().mean(-1), torch.ones(3), atol=1e-4)
+        True
+    """
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps,
+                            residual_in_fp32=self.residual_in_fp32, backend=self.backend)
+
+
+# --------------------------------------------------------------------------- norm + activation
+
+
+def _can_overwrite(x: Tensor) -> bool:
+    """Whether ``memory="inplace"`` may write its output over ``x`` (see the module notes)."""
+    dense = x.is_contiguous() or F._channels_last_format(x) is not None
+    return (x.requires_grad and not x.is_leaf and not x._is_view() and x.dtype in _WIDE
+            and dense)
+
+
+def _update_running(running_mean: Tensor | None, running_var: Tensor | None, mean: Tensor,
+                    var: Tensor, count: int, momentum: float, unbiased: bool) -> None:
+    """torch's running-statistics update from the biased batch variance ``var``."""
+    if running_mean is not None:
+        _stats.update_running_(running_mean, mean.reshape(-1), momentum)
+    if running_var is not None:
+        batch_var = _stats.unbiased_var(var.reshape(-1), count) if unbiased else var.reshape(-1)
+        _stats.update_running_(running_var, batch_var, momentum)
+
+
+#: Largest |mean| / std for which E[x^2] - E[x]^2 (fp32 row sums) is kept; see _row_moments.
+_ROW_MOMENTS_RATIO = 2.0
+
+
+def _row_moments(x: Tensor, count: int, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Per-channel ``(mean, var, invstd)`` of contiguous ``(N, C, *)`` input from row sums.
+
+    Two innermost reductions over each ``(n, c)`` row (``sum`` and ``vector_norm``, no
+    temporary) give ``E[x]`` and ``E[x^2]``; ``var = E[x^2] - E[x]^2`` loses a factor
+    ``1 + r^2`` (``r = |mean| / std``) of the sums' relative error (~1e-7), so the result
+    is kept only when every channel has ``r <= 2`` (measured error <= 1e-6, like torch's
+    kernel). A larger true ``r`` cannot pass the check: the computed variance is at most
+    the true one plus ``1e-6 * mean^2``, so the computed ratio is at least
+    ``min(r, 1000) / sqrt(2)``.
+    """
+    n, c = x.shape[:2]
+    rows = x.view(n, c, -1)  # (N, C, L)
+    mean = rows.sum(2).sum(0).div_(count)
+    mean_sq = torch.linalg.vector_norm(rows, 2, 2).square_().sum(0).div_(count)
+    var = mean_sq.sub_(mean * mean).clamp_(min=0)
+    invstd = torch.rsqrt(var + eps)
+    if not native.well_conditioned(mean, invstd, _ROW_MOMENTS_RATIO):
+        return None
+    return mean, var, invstd
+
+
+def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                     running_mean: Tensor | None, running_var: Tensor | None, momentum: float,
+                     eps: float, count: int, unbiased: bool,
+                     overwrite: bool) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(y, mean, invstd)`` of training-mode BatchNorm from fast kernels, else ``None``.
+
+    * contiguous input with at least 16 positions per row: :func:`_row_moments` (torch's
+      NCHW statistics kernel is several times slower), then ``x * scale + shift``;
+    * otherwise torch's own kernels, whose accuracy bound :mod:`normkit.kernels.native`
+      checks: its fused BatchNorm (statistics and output in one call), or its statistics
+      kernel alone when the output overwrites ``x`` or the running variance is not
+      torch's unbiased one.
+
+    ``y`` is ``x`` itself when ``overwrite``. The running statistics are updated once, by
+    torch's kernel or here, and left untouched when every fast result is rejected.
+    """
+    threshold = native._bn_threshold(x)
+    if threshold is None or x.dtype not in _WIDE or not _same_dtype(x, weight, bias):
+        return None
+    if x.is_contiguous() and x.dim() > 2 and x[0, 0].numel() >= 16:
+        fast = _row_moments(x, count, eps)
+        if fast is not None:
+            mean, var, invstd = fast
+            _update_running(running_mean, running_var, mean, var, count, momentum, unbiased)
+            return _normalize_with(x, mean, invstd, weight, bias, overwrite), mean, invstd
+    buffers = (running_mean, running_var)
+    in_kernel = unbiased and all(t is not None and t.dtype == x.dtype for t in buffers)
+    before = [t.clone() for t in buffers] if in_kernel else None
+    rm, rv = (running_mean, running_var) if in_kernel else (None, None)
+    if overwrite or not in_kernel:
+        mean, var = torch.batch_norm_update_stats(x, rm, rv, momentum)
+        invstd, y = torch.rsqrt(var + eps), None
+    else:
+        y, mean, invstd = torch.native_batch_norm(x, weight, bias, rm, rv, True, momentum, eps)
+    if not native.well_conditioned(mean, invstd, threshold):
+        if in_kernel:
+            with torch.no_grad():
+                for running, old in zip(buffers, before, strict=True):
+                    running.copy_(old)
+        return None
+    if y is None:
+        if not in_kernel:
+            _update_running(running_mean, running_var, mean, var, count, momentum, unbiased)
+        y = _normalize_with(x, mean, invstd, weight, bias, overwrite)
+    return y, mean, invstd
+
+
+def _normalize_with(x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None,
+                    bias: Tensor | None, overwrite: bool) -> Tensor:
+    """``(x - mean) * invstd * weight + bias`` folded to ``x * scale + shift`` (exact for
+    well-conditioned data, the only data it is used for)."""
+    scale = invstd if weight is None else invstd * weight
+    shift = -mean * scale if bias is None else bias - mean * scale
+    view = F._channel_view(x)
+    return _scale_shift(x, scale.view(view), shift.view(view), overwrite)
+
+
+def _scale_shift(x: Tensor, scale: Tensor, shift: Tensor, overwrite: bool) -> Tensor:
+    """``x * scale + shift`` with per-channel ``scale``/``shift``, into ``x`` or a new tensor.
+
+    (On contiguous NCHW, torch's ``addcmul`` with per-channel operands is slower than a
+    multiply followed by an in-place add; on channels-last it is the faster one.)
+    """
+    if x.is_contiguous():
+        return (x.mul_(scale) if overwrite else torch.mul(x, scale)).add_(shift)
+    return torch.addcmul(shift, x, scale, out=x) if overwrite else torch.addcmul(shift, x,
+                                                                                scale)
+
+
+def _unrecoverable_channels(weight: Tensor | None, bias: Tensor | None, x: Tensor
+                            ) -> Tensor | None:
+    """Channels whose normalized input cannot be recovered from an output of ``x.dtype``."""
+    c = x.shape[1]
+    gamma = torch.ones(c, device=x.device) if weight is None else weight.detach().float().abs()
+    beta = torch.zeros(c, device=x.device) if bias is None else bias.detach().float().abs()
+    ok = (gamma >= beta / _RECOVERY_RATIO[x.dtype]) & (gamma >= torch.finfo(x.dtype).tiny)
+    idx = (~ok).nonzero().flatten()
+    return idx if idx.numel() else None
+
+
+def _robust_xhat(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over ``dims`` with normkit's compensated moments."""
+    m = _stats.moments(_stats.upcast(x), dims)
+    return m.shifted.sub_(m.mean_lo).mul_(torch.rsqrt(m.var + eps))
+
+
+class _BatchNormActFunction(torch.autograd.Function):
+    """Training-mode BatchNorm + activation, optionally In-Place Activated (see the module notes).
+
+    Standard memory saves ``x``, the output (when the activation's derivative can use
+    it) and per-channel ``mean``/``invstd``; in-place memory saves the output, the
+    per-channel statistics and the normalized input of unrecoverable channels only.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, act, inplace,
+                unbiased, use_native):
+        dims = (0, *range(2, x.dim()))
+        count = _stats.reduced_count(x.shape, dims)
+        c = x.shape[1]
+        view = F._channel_view(x)
+        overwrite = inplace and _can_overwrite(x)
+        fb_idx = fb_xhat = None
+        if inplace:  # before x may be overwritten
+            fb_idx = _unrecoverable_channels(weight, bias, x)
+            if fb_idx is not None:
+                fb_xhat = _robust_xhat(x.index_select(1, fb_idx), dims, eps).to(x.dtype)
+        fast = None
+        if use_native:
+            fast = _fast_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps,
+                                    count, unbiased, overwrite)
+        if fast is not None:
+            out, mean, invstd = fast
+        else:  # compensated statistics (normkit's core)
+            y, batch_mean, var = normalize(x, dims, affine_view(weight, view),
+                                           affine_view(bias, view), eps)
+            _update_running(running_mean, running_var, batch_mean, var, count, momentum,
+                            unbiased)
+            mean, invstd = batch_mean.view(c), torch.rsqrt(var + eps).view(c)
+            out = x.copy_(y) if overwrite else y
+        out, pre = _activate_output(act, out)
+        if overwrite:
+            ctx.mark_dirty(x)
+        ctx.act, ctx.eps, ctx.inplace, ctx.dims = act, eps, inplace, dims
+        ctx.fast = fast is not None
+        if inplace:
+            ctx.save_for_backward(out, weight, bias, mean, invstd, fb_idx, fb_xhat)
+        else:
+            ctx.save_for_backward(x, _kept_output(act, out), pre, weight, bias, mean, invstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dz):
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if ctx.inplace:
+            grads = _inplace_abn_backward(ctx, dz, [need_x, need_w, need_b])
+        else:
+            grads = _bn_act_backward(ctx, dz, [need_x, need_w, need_b])
+        return (*grads, None, None, None, None, None, None, None, None)
+
+
+def _activate_output(act: Activation, y: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``(z, y_kept)``: the activation in place when its derivative can use ``z``, else
+    out of place, keeping the pre-activation ``y`` for the backward (as torch would)."""
+    if act.from_output:
+        return act.apply_(y), None
+    return act(y), y
+
+
+def _kept_output(act: Activation, z: Tensor) -> Tensor | None:
+    """The output, when the activation's backward reads it."""
+    return z if act.from_output and act.name != "identity" else None
+
+
+def _bn_act_backward(ctx, dz, mask):
+    x, z, y, weight, bias, mean, invstd = ctx.saved_tensors
+    act = ctx.act
+    view = F._channel_view(x)
+    if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        with torch.enable_grad():
+            ref = reference_normalize(x, ctx.dims, affine_view(weight, view),
+                                      affine_view(bias, view), ctx.eps)[0]
+            return _grads_of(act(ref), (x, weight, bias), dz, create_graph=True, needs=mask)
+    if not ctx.fast:  # ill-conditioned or 16-bit: through normkit's compensated core
+        x_, w_, b_ = _grad_inputs((x, weight, bias), mask)
+        with torch.enable_grad():
+            y_ = normalize(x_, ctx.dims, affine_view(w_, view), affine_view(b_, view),
+                           ctx.eps)[0]
+        dy = act.backward(dz, z, y)
+        return _grads_of(y_, (x_, w_, b_), dy, create_graph=False)
+    dy = act.backward(dz, z, y)
+    return _ATEN.native_batch_norm_backward(dy, x, weight, None, None, mean, invstd, True,
+                                            ctx.eps, mask)
+
+
+def _inplace_abn_backward(ctx, dz, mask):
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "BatchNorm + activation with memory='inplace' does not support double backward "
+            "(create_graph=True): the input was not kept; use memory='standard'")
+    z, weight, bias, mean, invstd, fb_idx, fb_xhat = ctx.saved_tensors
+    act = ctx.act
+    dy = act.backward(dz, z, None)
+    y = act.inverse(z)
+    gamma = torch.ones_like(invstd) if weight is None else weight.to(invstd.dtype)
+    beta = torch.zeros_like(invstd) if bias is None else bias.to(invstd.dtype)
+    # torch's BatchNorm backward on y with mean beta and invstd 1/gamma gives
+    # xhat = (y - beta) / gamma; weight gamma^2 * invstd restores dx's factor gamma * invstd
+    center, inv, scale = beta.clone(), gamma.reciprocal(), gamma * gamma * invstd
+    if fb_idx is not None:  # channels kept as normalized input: mean 0, invstd 1
+        center[fb_idx], inv[fb_idx] = 0.0, 1.0
+        scale[fb_idx] = gamma[fb_idx] * invstd[fb_idx]
+        y = z.clone() if y is z else y
+        y.index_copy_(1, fb_idx, fb_xhat)
+    dx, dw, db = _ATEN.native_batch_norm_backward(dy, y, scale, None, None, center, inv, True,
+                                                  ctx.eps, mask)
+    if dw is not None:
+        dw = dw.to(weight.dtype)
+    if db is not None:
+        db = db.to(bias.dtype)
+    return dx, dw, db
+
+
+def batch_norm_act(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    act: str = "relu",
+    negative_slope: float = 0.01,
+    alpha: float = 1.0,
+    memory: str = "standard",
+    unbiased_running_var: bool = True,
+    backend: str = "auto",
+) -> Tensor:
+    r"""BatchNorm then an activation, ``act(batch_norm(input, ...))``, in one autograd node.
+
+    Arguments and running-statistics semantics are those of
+    :func:`normkit.functional.batch_norm`. In training the normalization is fused with
+    the activation (applied in place on the normalized output) and the backward is
+    hand-derived; ``memory="inplace"`` is In-Place Activated BatchNorm (only the output
+    is saved; see :mod:`normkit.norms.fused`). In eval, with ``backend="reference"``,
+    and for an empty batch it is the plain composition.
+
+    Args:
+        input: ``(N, C)`` or ``(N, C, *)``.
+        running_mean, running_var: ``(C,)`` buffers or ``None``.
+        weight, bias: ``(C,)`` affine parameters or ``None``.
+        training: use (and update) batch statistics. Default: ``False``.
+        momentum: running-average factor. Default: ``0.1``.
+        eps: added to the variance. Default: ``1e-5``.
+        act: one of :data:`ACTIVATIONS`. Default: ``"relu"``.
+        negative_slope: LeakyReLU's slope. Default: ``0.01``.
+        alpha: ELU's ``alpha``. Default: ``1.0``.
+        memory: ``"standard"`` or ``"inplace"`` (invertible activations only).
+        unbiased_running_var: as in :func:`normkit.functional.batch_norm`.
+        backend: ``"auto"``, ``"eager"`` (compensated statistics always) or ``"reference"``.
+
+    Example:
+        >>> x = torch.randn(8, 3, 4, 4)
+        >>> y = batch_norm_act(x, None, None, training=True, act="relu")
+        >>> ref = torch.relu(torch.nn.functional.batch_norm(x, None, None, training=True))
+        >>> torch.allclose(y, ref, atol=1e-5)
+        True
+    """
+    who = "batch_norm_act"
+    activation = make_activation(act, negative_slope, alpha, memory, who)
+    reference = _reference_backend(backend)
+    F._check_channels_first(input, who)
+    F._check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
+                         weight=weight, bias=bias)
+    dims = (0, *range(2, input.dim()))
+    count = _stats.reduced_count(input.shape, dims)
+    fused = training and not reference and input.numel() > 0 and count > 1 and eps > 0
+    if not fused:  # (F.batch_norm raises the errors: one value per channel, eps <= 0)
+        y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                         eps, unbiased_running_var=unbiased_running_var, backend=backend)
+        return _activate(activation, y, reference)
+    return _BatchNormActFunction.apply(input, weight, bias, running_mean, running_var,
+                                       momentum, eps, activation, memory == "inplace",
+                                       unbiased_running_var, backend == "auto")
+
+
+def _activate(activation: Activation, y: Tensor, reference: bool) -> Tensor:
+    """The activation of a fresh norm output: in place unless autograd needs ``y``."""
+    if reference or (torch.is_grad_enabled() and y.requires_grad):
+        return activation(y)
+    return activation.apply_(y)
+
+
+class _GroupNormActFunction(torch.autograd.Function):
+    """GroupNorm + activation in one node; the statistics path is chosen at forward time.
+
+    * contiguous input: torch's fused kernels, forward and backward, where accurate;
+    * channels-last input: per-(sample, channel) sums over the positions (outer
+      reductions on the tensor as it is, no copy), combined per group under the
+      ``r <= 2`` rule of :func:`_row_moments`, and a hand-derived backward from the
+      same kind of sums (torch's channels-last GroupNorm kernel is not accurate enough
+      to use, see :mod:`normkit.kernels.native`);
+    * otherwise (ill-conditioned, 16-bit, mixed dtypes): normkit's compensated core,
+      recomputed in backward.
+
+    Saves the input, the output where the activation's derivative can use it, and the
+    ``(N, G)`` statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps, act, use_native):
+        n, c = x.shape[:2]
+        layout = F._channels_last_format(x)
+        fast = use_native and x.dtype in _WIDE and _same_dtype(x, weight, bias)
+        y = mean = rstd = None
+        path = "robust"
+        if fast and layout is not None:
+            stats = _channels_last_group_moments(x, groups, eps)
+            if stats is not None:
+                mean, rstd = stats
+                scale, shift = _group_affine(x, mean, rstd, weight, bias)
+                y, path = torch.addcmul(shift, x, scale), "channels_last"
+        elif fast:
+            y, mean, rstd = torch.native_group_norm(x.contiguous(), weight, bias, n, c,
+                                                    x.numel() // (n * c), groups, eps)
+            path = "native"
+            if not native.well_conditioned(mean, rstd, native.THRESHOLDS["group_norm"]):
+                y = mean = rstd = None
+                path = "robust"
+        if y is None:  # compensated statistics (normkit's core), recomputed in backward
+            w, b = _group_params(x, groups, weight, bias)
+            y = normalize(_grouped(x.contiguous(), groups), _group_dims(x), w, b,
+                          eps)[0].flatten(1, 2)
+            if layout is not None:
+                y = y.contiguous(memory_format=layout)
+        out, pre = _activate_output(act, y)
+        ctx.act, ctx.eps, ctx.groups, ctx.path = act, eps, groups, path
+        ctx.save_for_backward(x, _kept_output(act, out), pre, weight, bias, mean, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, dz):
+        x, z, y, weight, bias, mean, rstd = ctx.saved_tensors
+        act, groups = ctx.act, ctx.groups
+        mask = list(ctx.needs_input_grad[:3])
+        n, c = x.shape[:2]
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+            with torch.enable_grad():
+                w, b = _group_params(x, groups, weight, bias)
+                ref = reference_normalize(_grouped(x, groups), _group_dims(x), w, b,
+                                          ctx.eps)[0].flatten(1, 2)
+                grads = _grads_of(act(ref), (x, weight, bias), dz, create_graph=True,
+                                  needs=mask)
+        elif ctx.path == "robust":  # through normkit's compensated core
+            x_, w_, b_ = _grad_inputs((x, weight, bias), mask)
+            with torch.enable_grad():
+                w, b = _group_params(x, groups, w_, b_)
+                y_ = normalize(_grouped(x_.contiguous(), groups), _group_dims(x), w, b,
+                               ctx.eps)[0].flatten(1, 2)
+            dy = act.backward(dz, z, y)
+            grads = _grads_of(y_, (x_, w_, b_), dy.contiguous(), create_graph=False)
+        else:
+            dy = act.backward(dz, z, y)
+            if ctx.path == "native":
+                grads = _ATEN.native_group_norm_backward(
+                    dy.contiguous(), x.contiguous(), mean, rstd, weight, n, c,
+                    x.numel() // (n * c), groups, mask)
+            else:
+                grads = _channels_last_group_backward(dy, x, mean, rstd, weight, groups, mask)
+        return (*grads, None, None, None, None)
+
+
+def _last_channel_rows(x: Tensor) -> Tensor:
+    """``(N, L, C)``: channels innermost (a view of channels-last input)."""
+    return x.movedim(1, -1).reshape(x.shape[0], -1, x.shape[1])
+
+
+def _per_channel(t: Tensor, c: int) -> Tensor:
+    """``(N, G)`` group values repeated for each of the group's channels: ``(N, C)``."""
+    return t.repeat_interleave(c // t.shape[1], 1)
+
+
+def _channels_last_group_moments(x: Tensor, groups: int, eps: float
+                                 ) -> tuple[Tensor, Tensor] | None:
+    """``(N, G)`` mean and rstd of channels-last input from per-channel sums, or ``None``.
+
+    The sums of ``x`` and ``x^2`` over the positions are reductions over an outer
+    dimension (vectorized across channels, no copy of ``x``); ``E[x^2] - E[x]^2`` is
+    kept under the ``|mean| / std <= 2`` rule of :func:`_row_moments`.
+    """
+    n, c = x.shape[:2]
+    rows = _last_channel_rows(x)  # (N, L, C)
+    count = rows.shape[1] * (c // groups)
+    mean = rows.sum(1).view(n, groups, -1).sum(2).div_(count)
+    mean_sq = (rows * rows).sum(1).view(n, groups, -1).sum(2).div_(count)
+    var = mean_sq.sub_(mean * mean).clamp_(min=0)
+    rstd = torch.rsqrt(var + eps)
+    if not native.well_conditioned(mean, rstd, _ROW_MOMENTS_RATIO):
+        return None
+    return mean, rstd
+
+
+def _group_affine(x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,
+                  bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(scale, shift)`` of shape ``(N, C, 1, ...)`` with ``y = x * scale + shift``."""
+    n, c = x.shape[:2]
+    scale = _per_channel(rstd, c)
+    if weight is not None:
+        scale = scale * weight
+    shift = -_per_channel(mean, c) * scale
+    if bias is not None:
+        shift = shift + bias
+    view = (n, c) + (1,) * (x.dim() - 2)
+    return scale.view(view), shift.view(view)
+
+
+def _channels_last_group_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+                                  weight: Tensor | None, groups: int, mask: list[bool]):
+    r"""GroupNorm's backward from per-channel sums (the channels-last path).
+
+    With ``S1 = sum dy`` and ``Sx = sum dy (x - mean)`` over the positions of each
+    ``(n, c)``: ``dbias = sum_n S1``, ``dweight = sum_n rstd Sx``, and
+    ``dx = rstd gamma dy - rstd A - rstd^2 B (x - mean)`` with the group means
+    ``A = mean_g(gamma S1)`` and ``B = mean_g(gamma rstd Sx)``, applied as
+    ``dx = k1 dy + k2 x + k3``.
+    """
+    n, c = x.shape[:2]
+    rows_dy, rows_x = _last_channel_rows(dy), _last_channel_rows(x)  # (N, L, C)
+    count = rows_x.shape[1] * (c // groups)
+    s1 = rows_dy.sum(1)  # (N, C)
+    mu, rho = _per_channel(mean, c), _per_channel(rstd, c)
+    sx = (rows_dy * rows_x).sum(1).sub_(mu * s1)  # (N, C): sum dy (x - mean)
+    dx = dw = db = None
+    if mask[1]:
+        dw = (rho * sx).sum(0)
+    if mask[2]:
+        db = s1.sum(0)
+    if mask[0]:
+        gamma = torch.ones(c, dtype=rho.dtype, device=rho.device) if weight is None else weight
+        a = _per_channel((gamma * s1).view(n, groups, -1).sum(2).div_(count), c)
+        b = _per_channel((gamma * rho * sx).view(n, groups, -1).sum(2).div_(count), c)
+        view = (n, c) + (1,) * (x.dim() - 2)
+        k1, k2 = (rho * gamma).view(view), (-rho * rho * b).view(view)
+        k3 = (rho * (rho * b * mu - a)).view(view)
+        dx = torch.addcmul(k3, dy, k1).addcmul_(x, k2)
+    return dx, dw, db
+
+
+def _grouped(x: Tensor, groups: int) -> Tensor:
+    return x.unflatten(1, (groups, x.shape[1] // groups))  # (N, G, C/G, *)
+
+
+def _group_dims(x: Tensor) -> tuple[int, ...]:
+    return tuple(range(2, x.dim() + 1))
+
+
+def _group_params(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None):
+    pview = (1, groups, x.shape[1] // groups) + (1,) * (x.dim() - 2)
+    return affine_view(weight, pview), affine_view(bias, pview)
+
+
+def group_norm_act(
+    input: Tensor,
+    num_groups: int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    act: str = "relu",
+    negative_slope: float = 0.01,
+    alpha: float = 1.0,
+    backend: str = "auto",
+) -> Tensor:
+    r"""GroupNorm then an activation, ``act(group_norm(input, ...))``, in one autograd node.
+
+    Arguments as :func:`normkit.functional.group_norm`, plus the activation (see
+    :func:`batch_norm_act`). Contiguous input runs torch's fused GroupNorm kernels where
+    they are accurate; channels-last input is normalized in its own layout (no copy) from
+    per-channel sums (torch's channels-last GroupNorm kernel loses precision with the
+    data's offset, see :mod:`normkit.kernels.native`) and gives channels-last output;
+    ill-conditioned or 16-bit input takes normkit's compensated core.
+
+    Example:
+        >>> x = torch.randn(2, 6, 5, 5)
+        >>> y = group_norm_act(x, 3, act="silu")
+        >>> ref = torch.nn.functional.silu(torch.nn.functional.group_norm(x, 3))
+        >>> torch.allclose(y, ref, atol=1e-5)
+        True
+    """
+    who = "group_norm_act"
+    activation = make_activation(act, negative_slope, alpha, "standard", who)
+    reference = _reference_backend(backend)
+    F._check_channels_first(input, who)
+    channels = input.shape[1]
+    valid = (isinstance(num_groups, numbers.Integral) and num_groups > 0
+             and channels % num_groups == 0)
+    if reference or input.numel() == 0 or not valid:
+        y = F.group_norm(input, num_groups, weight, bias, eps, backend=backend)  # or raises
+        return _activate(activation, y, reference)
+    F._check_per_channel(input, who, weight=weight, bias=bias)
+    per_group = input.numel() // (input.shape[0] * num_groups)
+    if per_group == 1:
+        y = F.group_norm(input, num_groups, weight, bias, eps, backend=backend)  # raises
+        return _activate(activation, y, reference)
+    return _GroupNormActFunction.apply(input, weight, bias, int(num_groups), eps, activation,
+                                       backend == "auto")
+
+
+# --------------------------------------------------------------------------- modules
+
+
+_BN_ACT_DOC = r"""BatchNorm over {what} fused with an activation (and In-Place ABN).
+
+    .. math:: z = \mathrm{{act}}\Bigl(\frac{{x - \mathrm{{E}}[x]}}{{\sqrt{{\mathrm{{Var}}[x]
+        + \epsilon}}}} \gamma + \beta\Bigr)
+
+    A subclass of :class:`torch.nn.{parent}` (and of normkit's BatchNorm forward): same
+    constructor, parameters, buffers, ``state_dict`` keys and train/eval semantics
+    (running statistics, ``momentum=None``, ``num_batches_tracked``), so checkpoints of
+    a plain BatchNorm load into it and back; the activation is configuration, not state.
+    In training, normalization and activation are one autograd node with a hand-derived
+    backward; ``memory="inplace"`` is In-Place Activated BatchNorm (Rota Bulò et al.
+    2018): only the output is saved and the input is recovered in backward, for
+    invertible activations (see :mod:`normkit.norms.fused` for the exact treatment of
+    ``gamma`` and when the input buffer is overwritten).
+
+    Args:
+        num_features: number of channels ``C``.
+        eps: added to the variance. Default: ``1e-5``.
+        momentum: running-average factor, or ``None`` (cumulative). Default: ``0.1``.
+        affine: learnable ``weight`` and ``bias``. Default: ``True``.
+        track_running_stats: keep running statistics. Default: ``True``.
+        act: ``"relu"``, ``"leaky_relu"``, ``"elu"``, ``"silu"``, ``"gelu"`` or
+            ``"identity"``. Default: ``"relu"``.
+        negative_slope: LeakyReLU's slope. Default: ``0.01``.
+        alpha: ELU's ``alpha``. Default: ``1.0``.
+        memory: ``"standard"`` or ``"inplace"`` (``leaky_relu``, ``elu``, ``identity``
+            only; a ValueError otherwise). Default: ``"standard"``.
+        bias, unbiased_running_var, backend: as in :class:`normkit.{parent}`.
+
+    Shape:
+        - Input: {shape}; output: same shape, dtype and memory format.
+
+    Example:
+        >>> import torch
+        >>> x = torch.randn({example})
+        >>> bn = {name}(3, act="leaky_relu", memory="inplace")
+        >>> plain = torch.nn.{parent}(3)
+        >>> ref = torch.nn.functional.leaky_relu(plain(x), 0.01)
+        >>> torch.allclose(bn(x), ref, atol=1e-5)
+        True
+        >>> bn.state_dict().keys() == plain.state_dict().keys()
+        True
+    """
+
+
+class _BatchNormActForward(_BatchNormForward):
+    """The forward shared by BatchNormAct1d/2d/3d."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, *, act: str = "relu",
+                 negative_slope: float = 0.01, alpha: float = 1.0, memory: str = "standard",
+                 **kwargs) -> None:
+        make_activation(act, negative_slope, alpha, memory, type(self).__name__)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, **kwargs)
+        self.act, self.memory = act, memory
+        self.negative_slope, self.alpha = float(negative_slope), float(alpha)
+
+    def extra_repr(self) -> str:
+        text = f"{super().extra_repr()}, act={self.act!r}"
+        if self.act == "leaky_relu":
+            text += f", negative_slope={self.negative_slope}"
+        if self.act == "elu":
+            text += f", alpha={self.alpha}"
+        return text if self.memory == "standard" else f"{text}, memory={self.memory!r}"
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        factor = self._momentum_factor()
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        keep = not self.training or self.track_running_stats
+        return batch_norm_act(
+            input,
+            self.running_mean if keep else None,
+            self.running_var if keep else None,
+            self.weight,
+            self.bias,
+            use_batch_stats,
+            factor,
+            self.eps,
+            act=self.act,
+            negative_slope=self.negative_slope,
+            alpha=self.alpha,
+            memory=self.memory,
+            unbiased_running_var=self.unbiased_running_var,
+            backend=self.backend,
+        )
+
+
+class BatchNormAct1d(_BatchNormActForward, nn.BatchNorm1d):
+    _ndims = (2, 3)
+    _shape_doc = "(N, C) or (N, C, L)"
+    __doc__ = _BN_ACT_DOC.format(name="BatchNormAct1d", parent="BatchNorm1d",
+                                 what="a 2D or 3D input", example="8, 3, 5",
+                                 shape=":math:`(N, C)` or :math:`(N, C, L)`")
+
+
+class BatchNormAct2d(_BatchNormActForward, nn.BatchNorm2d):
+    _ndims = (4,)
+    _shape_doc = "(N, C, H, W)"
+    __doc__ = _BN_ACT_DOC.format(name="BatchNormAct2d", parent="BatchNorm2d",
+                                 what="a 4D input (images)", example="8, 3, 5, 5",
+                                 shape=":math:`(N, C, H, W)`")
+
+
+class BatchNormAct3d(_BatchNormActForward, nn.BatchNorm3d):
+    _ndims = (5,)
+    _shape_doc = "(N, C, D, H, W)"
+    __doc__ = _BN_ACT_DOC.format(name="BatchNormAct3d", parent="BatchNorm3d",
+                                 what="a 5D input (volumes, video)", example="4, 3, 2, 5, 5",
+                                 shape=":math:`(N, C, D, H, W)`")
+
+
+class GroupNormAct(BackendMixin, nn.GroupNorm):
+    r"""GroupNorm (Wu & He 2018) fused with an activation: ``act(group_norm(x))``.
+
+    A subclass of :class:`torch.nn.GroupNorm` (same constructor, parameters and
+    ``state_dict``); the activation is configuration. One autograd node with a
+    hand-derived backward; ``channels_last`` input stays ``channels_last``.
+
+    Args:
+        num_groups: number of groups; must divide ``num_channels``.
+        num_channels: number of channels ``C``.
+        eps: added to the variance. Default: ``1e-5``.
+        affine: learnable per-channel ``weight`` and ``bias``. Default: ``True``.
+        act: one of ``"relu"``, ``"leaky_relu"``, ``"elu"``, ``"silu"``, ``"gelu"``,
+            ``"identity"``. Default: ``"relu"``.
+        negative_slope: LeakyReLU's slope. Default: ``0.01``.
+        alpha: ELU's ``alpha``. Default: ``1.0``.
+        bias: learnable ``bias`` (with ``affine``). Default: ``True``.
+        backend: ``"auto"``, ``"eager"`` or ``"reference"``. Default: ``"auto"``.
+
+    Shape:
+        - Input: :math:`(N, C, *)`; output: same shape and memory format.
+
+    Example:
+        >>> import torch
+        >>> gn = GroupNormAct(4, 16, act="silu")
+        >>> gn(torch.randn(2, 16, 8, 8)).shape
+        torch.Size([2, 16, 8, 8])
+    """
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
+                 affine: bool = True, *, act: str = "relu", negative_slope: float = 0.01,
+                 alpha: float = 1.0, **kwargs) -> None:
+        make_activation(act, negative_slope, alpha, "standard", type(self).__name__)
+        super().__init__(num_groups, num_channels, eps, affine, **kwargs)
+        self.act = act
+        self.negative_slope, self.alpha = float(negative_slope), float(alpha)
+
+    def extra_repr(self) -> str:
+        text = f"{super().extra_repr()}, act={self.act!r}"
+        if self.act == "leaky_relu":
+            text += f", negative_slope={self.negative_slope}"
+        if self.act == "elu":
+            text += f", alpha={self.alpha}"
+        return text
+
+    def forward(self, input: Tensor) -> Tensor:
+        check_channels(self, input, self.num_channels)
+        return group_norm_act(input, self.num_groups, self.weight, self.bias, self.eps,
+                              act=self.act, negative_slope=self.negative_slope,
+                              alpha=self.alpha, backend=self.backend)

@@ -1,0 +1,695 @@
+"""Fused ops (normkit.norms.fused) against float64 references written with plain torch ops.
+
+Every fast path is exercised here and compared with the reference on the same input:
+residual add + LayerNorm (torch's kernel, compensated core) and + RMSNorm (hand-derived);
+BatchNorm + activation (row statistics for contiguous input, torch's statistics kernel for
+channels-last, compensated core at an offset), In-Place ABN (output-only saving, recovered
+input, per-channel fallback); GroupNorm + activation (torch's kernel, channels-last sums,
+compensated core).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import make_input, memory_format_of
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import GRAD_TOL, assert_close, assert_grad_close, channel_view, normalize64
+from torch import nn
+from torch.nn import functional as TF
+
+from normkit.norms import fused
+from normkit.norms.fused import (
+    ACTIVATIONS,
+    INVERTIBLE_ACTIVATIONS,
+    AddLayerNorm,
+    AddRMSNorm,
+    BatchNormAct1d,
+    BatchNormAct2d,
+    BatchNormAct3d,
+    GroupNormAct,
+    add_layer_norm,
+    add_rms_norm,
+    batch_norm_act,
+    group_norm_act,
+    make_activation,
+)
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+LAYOUTS = ["contiguous", "channels_last"]
+
+
+def act64(name: str, y: torch.Tensor, negative_slope: float = 0.01,
+          alpha: float = 1.0) -> torch.Tensor:
+    """The activations, written out (not normkit's Activation)."""
+    if name == "relu":
+        return y.clamp(min=0)
+    if name == "leaky_relu":
+        return torch.where(y >= 0, y, y * negative_slope)
+    if name == "elu":
+        return torch.where(y > 0, y, alpha * torch.expm1(y))
+    if name == "silu":
+        return y * torch.sigmoid(y)
+    if name == "gelu":
+        return 0.5 * y * (1 + torch.erf(y / 2 ** 0.5))
+    return y
+
+
+def bn_act64(x, weight, bias, act, eps=1e-5, **act_kw):
+    dims = (0, *range(2, x.dim()))
+    w, b = channel_view(weight, x.dim()), channel_view(bias, x.dim())
+    return act64(act, normalize64(x, dims, w, b, eps), **act_kw)
+
+
+def gn_act64(x, groups, weight, bias, act, eps=1e-5):
+    xg = x.unflatten(1, (groups, x.shape[1] // groups))
+    y = normalize64(xg, tuple(range(2, xg.dim())), None, None, eps).flatten(1, 2)
+    if weight is not None:
+        y = y * channel_view(weight, x.dim()).double()
+    if bias is not None:
+        y = y + channel_view(bias, x.dim()).double()
+    return act64(act, y)
+
+
+def params(c, dtype, affine, seed=3):
+    if not affine:
+        return None, None
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.rand(c, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    b = (torch.randn(c, generator=gen, dtype=torch.float64) * 0.3).to(dtype)
+    return w.requires_grad_(), b.requires_grad_()
+
+
+def leaf64(t):
+    return None if t is None else t.detach().double().requires_grad_()
+
+
+def grads_of(out, inputs, grad):
+    wanted = [t for t in inputs if t is not None]
+    got = iter(torch.autograd.grad(out, wanted, grad))
+    return [next(got) if t is not None else None for t in inputs]
+
+
+def check_grads(actual, expected, dtype, names):
+    for a, e, name in zip(actual, expected, names, strict=True):
+        if e is not None:
+            assert_grad_close(a, e, dtype, name)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def test_activation_inverse_and_derivative_from_output():
+    y = torch.linspace(-6, 6, 96, dtype=torch.float64)  # (no kink at 0)
+    dz = torch.randn(96, dtype=torch.float64)
+    for name in ACTIVATIONS:
+        act = make_activation(name, negative_slope=0.2, alpha=0.7)
+        z = act(y)
+        torch.testing.assert_close(z, act64(name, y, 0.2, 0.7))
+        y_ = y.clone().requires_grad_()
+        expected = torch.autograd.grad(act64(name, y_, 0.2, 0.7), y_, dz)[0]
+        torch.testing.assert_close(act.backward(dz, z, y), expected)
+        if name in INVERTIBLE_ACTIVATIONS:
+            torch.testing.assert_close(act.inverse(z), y, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("act, kw", [("relu", {}), ("silu", {}), ("gelu", {}),
+                                     ("leaky_relu", {"negative_slope": 0.0}),
+                                     ("elu", {"alpha": -1.0})])
+def test_inplace_memory_rejects_non_invertible_activations(act, kw):
+    with pytest.raises(ValueError, match="leaky_relu, elu, identity") as info:
+        BatchNormAct2d(4, act=act, memory="inplace", **kw)
+    assert repr(act) in str(info.value)
+    with pytest.raises(ValueError, match="invertible"):
+        batch_norm_act(torch.randn(4, 4, 3), None, None, training=True, act=act,
+                       memory="inplace", **kw)
+
+
+def test_bad_act_memory_and_backend_are_named():
+    with pytest.raises(ValueError, match=r"act to be one of .*'mish'"):
+        BatchNormAct2d(4, act="mish")
+    with pytest.raises(ValueError, match=r"memory to be one of .*'low'"):
+        BatchNormAct2d(4, memory="low")
+    with pytest.raises(ValueError, match=r"act to be one of .*'tanh'"):
+        GroupNormAct(2, 4, act="tanh")
+    with pytest.raises(ValueError, match="backend"):
+        add_layer_norm(torch.randn(2, 4), None, 4, backend="fast")
+
+
+# --------------------------------------------------------------------------- BatchNorm + act
+
+
+def _bn_cases():
+    for dtype in DTYPES:
+        for layout in LAYOUTS:
+            for act in ACTIVATIONS:
+                for memory in ("standard", "inplace"):
+                    if memory == "inplace" and act not in INVERTIBLE_ACTIVATIONS:
+                        continue
+                    yield pytest.param(dtype, layout, act, memory,
+                                       id=f"{str(dtype)[6:]}-{layout}-{act}-{memory}")
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("dtype, layout, act, memory", list(_bn_cases()))
+def test_batch_norm_act_training_matches_reference(dtype, layout, act, memory, affine):
+    x0 = make_input((6, 5, 4, 5), dtype, layout, seed=1, scale=2.0, offset=0.5)
+    w, b = params(5, dtype, affine)
+    leaf = x0.clone().requires_grad_()
+    x = leaf * 1  # an intermediate tensor: memory="inplace" may overwrite it
+    z = batch_norm_act(x, None, None, w, b, True, act=act, memory=memory,
+                       negative_slope=0.1, alpha=0.8)
+    assert z.dtype == dtype and memory_format_of(z) == memory_format_of(x0)
+    x64, w64, b64 = leaf64(x0), leaf64(w), leaf64(b)
+    ref = bn_act64(x64, w64, b64, act, negative_slope=0.1, alpha=0.8)
+    assert_close(z, ref, dtype)
+    dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = grads_of(z, [leaf, w, b], dz.to(dtype))
+    expected = grads_of(ref, [x64, w64, b64], dz)
+    check_grads(got, expected, dtype, ["dx", "dweight", "dbias"])
+
+
+@pytest.mark.parametrize("offset", [8.0, 1e4], ids=["ratio-8", "offset-1e4"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("memory", ["standard", "inplace"])
+def test_batch_norm_act_keeps_precision_at_an_offset(offset, layout, memory):
+    # ratio 8: row statistics are rejected (|mean|/std > 2), torch's kernel is kept for
+    # contiguous input and rejected for channels-last (> 4); 1e4: the compensated core
+    x0 = make_input((6, 5, 4, 5), torch.float32, layout, seed=4, offset=offset)
+    w, b = params(5, torch.float32, True)
+    leaf = x0.clone().requires_grad_()
+    z = batch_norm_act(leaf * 1, None, None, w, b, True, act="leaky_relu", memory=memory)
+    x64, w64, b64 = leaf64(x0), leaf64(w), leaf64(b)
+    ref = bn_act64(x64, w64, b64, "leaky_relu")
+    assert float((z.double() - ref).abs().max().detach()) < 1e-5
+    dz = torch.randn(z.shape, dtype=torch.float64)
+    got = grads_of(z, [leaf, w, b], dz.float())
+    check_grads(got, grads_of(ref, [x64, w64, b64], dz), torch.float32, ["dx", "dw", "db"])
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "reference"])
+def test_batch_norm_act_backends_agree(backend):
+    x = make_input((4, 3, 5, 5), torch.float64, "contiguous", seed=5).requires_grad_()
+    w, b = params(3, torch.float64, True)
+    z = batch_norm_act(x, None, None, w, b, True, act="elu", backend=backend)
+    ref = bn_act64(x, w, b, "elu")
+    assert_close(z, ref, torch.float64)
+    dz = torch.randn_like(ref)
+    check_grads(grads_of(z, [x, w, b], dz), grads_of(ref, [x, w, b], dz), torch.float64,
+                ["dx", "dw", "db"])
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("memory", ["standard", "inplace"])
+def test_batch_norm_act_module_matches_torch_train_and_eval(momentum, layout, memory):
+    x = make_input((8, 4, 5, 6), torch.float32, layout, seed=6, offset=0.3)
+    ours = BatchNormAct2d(4, momentum=momentum, act="leaky_relu", memory=memory)
+    plain = nn.BatchNorm2d(4, momentum=momentum)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        ours.bias.normal_()
+    plain.load_state_dict(ours.state_dict())
+    for step in range(3):
+        z = ours(x * (step + 1))
+        ref = TF.leaky_relu(plain(x * (step + 1)), 0.01)
+        assert_close(z, ref, torch.float32, f"train step {step}")
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours, name), getattr(plain, name), rtol=1e-5,
+                                   atol=1e-6, msg=name)
+    ours.eval()
+    plain.eval()
+    assert_close(ours(x), TF.leaky_relu(plain(x), 0.01), torch.float32, "eval")
+
+
+@pytest.mark.parametrize("unbiased", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_batch_norm_act_running_statistics(unbiased, layout):
+    x = make_input((6, 3, 4, 5), torch.float64, layout, seed=7, scale=3.0, offset=1.0)
+    rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    batch_norm_act(x, rm, rv, training=True, momentum=0.2, unbiased_running_var=unbiased)
+    dims = (0, 2, 3)
+    var = x.var(dims, correction=1 if unbiased else 0)
+    torch.testing.assert_close(rm, 0.2 * x.mean(dims))
+    torch.testing.assert_close(rv, 0.8 + 0.2 * var)
+
+
+@pytest.mark.parametrize("cls, shape", [(BatchNormAct1d, (7, 4)), (BatchNormAct1d, (5, 4, 6)),
+                                        (BatchNormAct3d, (3, 4, 2, 3, 5))],
+                         ids=["1d-2D", "1d-3D", "3d"])
+@pytest.mark.parametrize("memory", ["standard", "inplace"])
+def test_batch_norm_act_1d_and_3d(cls, shape, memory):
+    x = make_input(shape, torch.float64, "contiguous", seed=8).requires_grad_()
+    bn = cls(4, act="elu", memory=memory).double()
+    z = bn(x)
+    ref = bn_act64(x, bn.weight, bn.bias, "elu")
+    assert_close(z, ref, torch.float64)
+    dz = torch.randn_like(ref)
+    params_ = [x, bn.weight, bn.bias]
+    check_grads(grads_of(z, params_, dz), grads_of(ref, params_, dz), torch.float64,
+                ["dx", "dw", "db"])
+
+
+def test_batch_norm_act_rank_and_channel_errors():
+    with pytest.raises(ValueError, match=r"BatchNormAct2d expected 4D input .* got a 3D"):
+        BatchNormAct2d(4)(torch.randn(2, 4, 5))
+    with pytest.raises(ValueError, match=r"BatchNormAct2d expected input of shape \(N, 4, \*\)"):
+        BatchNormAct2d(4)(torch.randn(2, 3, 5, 5))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        BatchNormAct1d(4)(torch.randn(1, 4))
+    with pytest.raises(ValueError, match="floating-point"):
+        BatchNormAct2d(4)(torch.ones(2, 4, 3, 3, dtype=torch.long))
+    empty = BatchNormAct2d(4, memory="inplace", act="identity")(torch.randn(0, 4, 3, 3))
+    assert empty.shape == (0, 4, 3, 3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 5), c=st.integers(1, 4), h=st.integers(1, 6), w=st.integers(1, 6),
+       offset=st.sampled_from([0.0, 3.0, 50.0, 1e4]), layout=st.sampled_from(LAYOUTS),
+       act=st.sampled_from(INVERTIBLE_ACTIVATIONS))
+def test_property_every_statistics_path_matches_float64(n, c, h, w, offset, layout, act):
+    """Random shapes (rows shorter and longer than 16, one position per row) and offsets
+    (each fast path, its rejection, the compensated core); both memory modes."""
+    x0 = make_input((n, c, h, w), torch.float32, layout, seed=n * 31 + c * 7 + h + w,
+                    offset=offset)
+    weight, bias = params(c, torch.float32, True, seed=c)
+    x64, w64, b64 = leaf64(x0), leaf64(weight), leaf64(bias)
+    ref = bn_act64(x64, w64, b64, act)
+    dz = torch.randn(ref.shape, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    expected = grads_of(ref, [x64, w64, b64], dz)
+    for memory in ("standard", "inplace"):
+        leaf = x0.clone().requires_grad_()
+        z = batch_norm_act(leaf * 1, None, None, weight, bias, True, act=act, memory=memory)
+        assert_close(z, ref, torch.float32, memory)
+        check_grads(grads_of(z, [leaf, weight, bias], dz.float()), expected, torch.float32,
+                    ["dx", "dw", "db"])
+    groups = 1 if c % 2 else 2
+    if c // groups * h * w > 1:  # (one value per group raises, as in torch)
+        zg = group_norm_act(x0, groups, weight.detach(), bias.detach(), act=act)
+        assert_close(zg, gn_act64(x64.detach(), groups, w64.detach(), b64.detach(), act),
+                     torch.float32, "group_norm_act")
+
+
+# --------------------------------------------------------------------------- In-Place ABN
+
+
+def test_inplace_overwrites_an_intermediate_input_and_spares_leaves():
+    leaf = torch.randn(4, 3, 5, 5, requires_grad=True)
+    x = leaf * 2
+    z = batch_norm_act(x, None, None, training=True, act="leaky_relu", memory="inplace")
+    assert z.data_ptr() == x.data_ptr() and z._version > 0
+    before = leaf.detach().clone()
+    z2 = batch_norm_act(leaf, None, None, training=True, act="leaky_relu", memory="inplace")
+    assert z2.data_ptr() != leaf.data_ptr() and torch.equal(leaf.detach(), before)
+    with torch.no_grad():  # nothing to save: the input is left alone
+        y = torch.randn(4, 3, 5, 5)
+        kept = y.clone()
+        batch_norm_act(y, None, None, training=True, act="identity", memory="inplace")
+        assert torch.equal(y, kept)
+
+
+def test_inplace_overwrite_of_a_saved_tensor_is_caught_by_autograd():
+    a = torch.randn(4, 3, 5, 5, requires_grad=True)
+    x = torch.exp(a)  # exp saves its output for backward
+    z = batch_norm_act(x, None, None, training=True, act="identity", memory="inplace")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+def test_inplace_refuses_double_backward():
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    z = batch_norm_act(x, None, None, training=True, act="elu", memory="inplace")
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(z.square().sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_inplace_unrecoverable_channels_keep_their_input(dtype):
+    # gamma = 0 (zero-init residual), |beta/gamma| > 64, a subnormal gamma, a negative one
+    w = torch.tensor([1.0, 0.0, 1e-3, -0.5, 1e-40, 2.0], dtype=dtype, requires_grad=True)
+    b = torch.tensor([0.0, 1.0, 1.0, -0.3, 0.0, -5.0], dtype=dtype, requires_grad=True)
+    x0 = make_input((4, 6, 5, 5), dtype, "contiguous", seed=9, scale=3.0, offset=2.0)
+    leaf = x0.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        z = batch_norm_act(leaf * 1, None, None, w, b, True, act="leaky_relu",
+                           negative_slope=0.1, memory="inplace")
+    kept = [t for t in saved if t.dim() == 4 and t.shape[1] != 6]
+    # channels 1 and 2, and 4 where 1e-40 is subnormal (float32, not float64)
+    assert [t.shape[1] for t in kept] == [3 if dtype == torch.float32 else 2]
+    x64, w64, b64 = leaf64(x0), leaf64(w), leaf64(b)
+    ref = bn_act64(x64, w64, b64, "leaky_relu", negative_slope=0.1)
+    assert_close(z, ref, dtype)
+    dz = torch.randn(z.shape, dtype=torch.float64)
+    check_grads(grads_of(z, [leaf, w, b], dz.to(dtype)), grads_of(ref, [x64, w64, b64], dz),
+                dtype, ["dx", "dw", "db"])
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs (deterministic)."""
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
+
+
+def conv_bn_act_stack(memory: str, blocks: int = 6, channels: int = 8) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                   BatchNormAct2d(channels, act="leaky_relu", memory=memory)]
+    return nn.Sequential(*layers)
+
+
+def test_inplace_abn_saves_at_most_0_6_of_the_standard_memory():
+    x = torch.randn(2, 8, 16, 16, generator=torch.Generator().manual_seed(18))
+    standard, inplace = conv_bn_act_stack("standard"), conv_bn_act_stack("inplace")
+    inplace.load_state_dict(standard.state_dict())
+    bytes_std, out_std = saved_bytes(lambda: standard(x))
+    bytes_inp, out_inp = saved_bytes(lambda: inplace(x))
+    # per block: conv output + BN output (standard) vs one shared buffer (in place)
+    assert bytes_inp <= 0.6 * bytes_std, (bytes_inp, bytes_std)
+    reference = conv_bn_act_stack("standard").double()
+    reference.load_state_dict(standard.state_dict())
+    out64 = reference(x.double())
+    for out in (out_std, out_inp):
+        assert_close(out, out64, torch.float32)
+        out.square().sum().backward()
+    out64.square().sum().backward()
+    for (name, p64), p_std, p_inp in zip(reference.named_parameters(), standard.parameters(),
+                                         inplace.parameters(), strict=True):
+        assert_grad_close(p_std.grad, p64.grad, torch.float32, f"standard {name}")
+        assert_grad_close(p_inp.grad, p64.grad, torch.float32, f"inplace {name}")
+
+
+# --------------------------------------------------------------------------- GroupNorm + act
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_group_norm_act_matches_reference(dtype, layout, act, affine):
+    x0 = make_input((3, 6, 4, 5), dtype, layout, seed=10, scale=2.0, offset=0.5)
+    w, b = params(6, dtype, affine)
+    x = x0.clone().requires_grad_()
+    z = group_norm_act(x, 3, w, b, act=act)
+    assert z.dtype == dtype and memory_format_of(z) == memory_format_of(x0)
+    x64, w64, b64 = leaf64(x0), leaf64(w), leaf64(b)
+    ref = gn_act64(x64, 3, w64, b64, act)
+    assert_close(z, ref, dtype)
+    dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    check_grads(grads_of(z, [x, w, b], dz.to(dtype)), grads_of(ref, [x64, w64, b64], dz),
+                dtype, ["dx", "dw", "db"])
+
+
+@pytest.mark.parametrize("offset", [8.0, 1e4], ids=["ratio-8", "offset-1e4"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_group_norm_act_keeps_precision_at_an_offset(offset, layout):
+    x0 = make_input((3, 6, 4, 5), torch.float32, layout, seed=11, offset=offset)
+    w, b = params(6, torch.float32, True)
+    x = x0.clone().requires_grad_()
+    z = group_norm_act(x, 2, w, b, act="silu")
+    x64, w64, b64 = leaf64(x0), leaf64(w), leaf64(b)
+    ref = gn_act64(x64, 2, w64, b64, "silu")
+    assert float((z.double() - ref).abs().max().detach()) < 1e-5
+    dz = torch.randn(z.shape, dtype=torch.float64)
+    check_grads(grads_of(z, [x, w, b], dz.float()), grads_of(ref, [x64, w64, b64], dz),
+                torch.float32, ["dx", "dw", "db"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_group_norm_act_with_broadcast_gradient_and_3d_input(layout):
+    x = make_input((2, 4, 3, 4, 5), torch.float64, layout, seed=12).requires_grad_()
+    gn = GroupNormAct(2, 4, act="relu").double()
+    z = gn(x)
+    ref = gn_act64(x, 2, gn.weight, gn.bias, "relu")
+    assert_close(z, ref, torch.float64)
+    got = torch.autograd.grad(z.sum(), [x, gn.weight, gn.bias])  # an expanded gradient
+    expected = torch.autograd.grad(ref.sum(), [x, gn.weight, gn.bias])
+    check_grads(got, expected, torch.float64, ["dx", "dw", "db"])
+
+
+def test_group_norm_act_errors():
+    with pytest.raises(ValueError, match=r"GroupNormAct expected input of shape \(N, 6, \*\)"):
+        GroupNormAct(3, 6)(torch.randn(2, 4, 5))
+    with pytest.raises(ValueError, match="divisible by num_groups=4"):
+        group_norm_act(torch.randn(2, 6, 5), 4)
+    with pytest.raises(ValueError, match="more than 1 value per group"):
+        group_norm_act(torch.randn(1, 6, 1), 6)
+
+
+# --------------------------------------------------------------------------- residual + norm
+
+
+def add_norm64(kind, x, residual, shape, weight, bias, eps):
+    s = x if residual is None else x + residual
+    dims = tuple(range(s.dim() - len(shape), s.dim()))
+    return normalize64(s, dims, weight, bias, eps, center=kind == "layer"), s
+
+
+@pytest.mark.parametrize("residual_in_fp32", [False, True], ids=["same-dtype", "fp32-res"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_add_norm_matches_reference(dtype, kind, affine, with_residual, residual_in_fp32):
+    shape = (3, 8)
+    gen = torch.Generator().manual_seed(13)
+    x0 = (torch.randn(4, 5, *shape, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    r0 = torch.randn(4, 5, *shape, generator=gen, dtype=torch.float64).to(dtype)
+    w = (torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+    b = (torch.randn(shape, generator=gen, dtype=torch.float64) * 0.3).to(dtype)
+    w, b = (w.requires_grad_(), b.requires_grad_()) if affine else (None, None)
+    x = x0.clone().requires_grad_()
+    r = r0.clone().requires_grad_() if with_residual else None
+    if kind == "layer":
+        normed, s = add_layer_norm(x, r, shape, w, b, residual_in_fp32=residual_in_fp32)
+        eps = 1e-5
+    else:
+        normed, s = add_rms_norm(x, r, shape, w, residual_in_fp32=residual_in_fp32)
+        b = None
+        eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    res_dtype = torch.float32 if residual_in_fp32 and dtype != torch.float64 else dtype
+    assert normed.dtype == dtype and s.dtype == res_dtype
+    # the sum is rounded to its dtype exactly as torch's add does; normalize *that* sum
+    torch.testing.assert_close(s, (x0.to(res_dtype) + r0.to(res_dtype)) if with_residual
+                               else x0.to(res_dtype), rtol=0, atol=0)
+    x64, r64, w64, b64 = leaf64(x0), leaf64(r0) if with_residual else None, leaf64(w), leaf64(b)
+    ref, s64 = add_norm64(kind, x64, r64, shape, w64, b64, eps)
+    rounding = (s.detach().double() - s64).detach()  # the new residual's own rounding
+    ref, s64 = add_norm64(kind, x64 + rounding, r64, shape, w64, b64, eps)
+    assert_close(normed, ref, dtype)
+    gen2 = torch.Generator().manual_seed(14)
+    dn = torch.randn(normed.shape, generator=gen2, dtype=torch.float64)
+    ds = torch.randn(s.shape, generator=gen2, dtype=torch.float64)
+    got = torch.autograd.grad([normed, s], [t for t in (x, r, w, b) if t is not None],
+                              [dn.to(normed.dtype), ds.to(s.dtype)])
+    expected = torch.autograd.grad([ref, s64], [t for t in (x64, r64, w64, b64) if t is not None],
+                                   [dn, ds])
+    names = [n for n, t in zip("x r w b".split(), (x, r, w, b), strict=True) if t is not None]
+    for g, e, name in zip(got, expected, names, strict=True):
+        tol_dtype = dtype if name in "xr" else (w.dtype if w is not None else dtype)
+        assert_grad_close(g, e, tol_dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("offset", [1e4, 1e5])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_add_norm_large_offset_within_1e_4_of_float64(kind, offset):
+    gen = torch.Generator().manual_seed(15)
+    x = (torch.randn(64, 256, generator=gen, dtype=torch.float64) + offset).float()
+    r = torch.randn(64, 256, generator=gen, dtype=torch.float64).float()
+    fn = add_layer_norm if kind == "layer" else add_rms_norm
+    normed, s = fn(x, r, 256)
+    eps = 1e-5 if kind == "layer" else torch.finfo(torch.float32).eps
+    ref = normalize64(s.double(), (1,), None, None, eps, center=kind == "layer")
+    assert float((normed.double() - ref).abs().max()) < 1e-4
+    if kind == "layer":  # torch's own kernel on the same sum is far off (native.py's table)
+        torch_err = (TF.layer_norm(s, (256,)).double() - ref).abs().max()
+        assert float(torch_err) > 1e-3
+
+
+def test_add_norm_residual_none_passes_x_through():
+    x = torch.randn(3, 8)
+    normed, res = add_layer_norm(x, None, 8)
+    assert res is x
+    torch.testing.assert_close(normed, TF.layer_norm(x, (8,)))
+    normed, res = add_rms_norm(x, None, 8)
+    assert torch.equal(res, x)
+    torch.testing.assert_close(normed, TF.rms_norm(x, (8,)))
+    bf = x.bfloat16()
+    normed, res = add_layer_norm(bf, None, 8, residual_in_fp32=True)
+    assert normed.dtype == torch.bfloat16 and res.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager", "reference"])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_add_norm_backends_and_modules_agree(kind, backend):
+    cls, torch_cls = (AddLayerNorm, nn.LayerNorm) if kind == "layer" else (AddRMSNorm,
+                                                                           nn.RMSNorm)
+    ours = cls(16, backend=backend).double()
+    plain = torch_cls(16).double()
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+    plain.load_state_dict(ours.state_dict())
+    x = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    normed, s = ours(x, r)
+    ref = plain(x + r)
+    assert_close(normed, ref, torch.float64)
+    dn = torch.randn_like(ref)
+    ps = [x, r, *ours.parameters()]
+    check_grads(torch.autograd.grad(normed, ps, dn),
+                torch.autograd.grad(ref, [x, r, *plain.parameters()], dn), torch.float64,
+                ["dx", "dr", "dw", "db"][:len(ps)])
+
+
+def test_add_norm_only_one_output_used():
+    x = torch.randn(4, 8, requires_grad=True)
+    r = torch.randn(4, 8, requires_grad=True)
+    normed, s = add_rms_norm(x, r, 8)
+    (gx,) = torch.autograd.grad(s.sum(), x)  # normed unused
+    torch.testing.assert_close(gx, torch.ones_like(x))
+    normed, s = add_layer_norm(x, r, 8)
+    gx, gr = torch.autograd.grad(normed.square().sum(), [x, r])  # new residual unused
+    torch.testing.assert_close(gx, gr)
+
+
+def test_add_norm_errors():
+    with pytest.raises(ValueError, match=r"residual of the same shape as x \(2, 4\), got .*"
+                                         r"\(2, 5\)"):
+        add_layer_norm(torch.randn(2, 4), torch.randn(2, 5), 4)
+    with pytest.raises(ValueError, match=r"add_rms_norm expected input of shape \(\*, 5\)"):
+        add_rms_norm(torch.randn(2, 4), None, 5)
+    with pytest.raises(ValueError, match="floating-point"):
+        add_layer_norm(torch.randn(2, 4), torch.ones(2, 4, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match=r"weight of shape \(4,\)"):
+        add_layer_norm(torch.randn(2, 4), None, 4, torch.ones(3))
+
+
+# --------------------------------------------------------------------------- gradcheck
+
+
+def _f64(*shape, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
+
+
+# (2, 2, 4, 4): 16 positions per row, so contiguous input takes the row-statistics path
+@pytest.mark.parametrize("act, memory", [(a, "standard") for a in ACTIVATIONS]
+                         + [(a, "inplace") for a in INVERTIBLE_ACTIVATIONS])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradcheck_batch_norm_act(act, memory, layout):
+    x = make_input((2, 2, 4, 4), torch.float64, layout, seed=16, offset=0.3).requires_grad_()
+    w = (_f64(2, seed=1).detach() * 0.2 + 1).requires_grad_()
+    b = _f64(2, seed=2)
+
+    def fn(x, w, b):
+        return batch_norm_act(x, None, None, w, b, True, act=act, memory=memory)
+
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradcheck_group_norm_act(act, layout):
+    x = make_input((2, 4, 2, 3), torch.float64, layout, seed=17, offset=0.3).requires_grad_()
+    w, b = _f64(4, seed=1), _f64(4, seed=2)
+    assert torch.autograd.gradcheck(lambda x, w, b: group_norm_act(x, 2, w, b, act=act),
+                                    (x, w, b))
+
+
+@pytest.mark.parametrize("act", ["leaky_relu", "silu"])
+def test_gradgradcheck_norm_act(act):
+    """Double backward differentiates the reference (one activation of each kind)."""
+    x = make_input((2, 4, 2, 3), torch.float64, "channels_last", seed=19).requires_grad_()
+    w, b = _f64(4, seed=1), _f64(4, seed=2)
+    assert torch.autograd.gradgradcheck(
+        lambda x, w, b: batch_norm_act(x, None, None, w, b, True, act=act), (x, w, b))
+    assert torch.autograd.gradgradcheck(lambda x, w, b: group_norm_act(x, 2, w, b, act=act),
+                                        (x, w, b))
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_gradcheck_add_norm(kind, with_residual):
+    x = _f64(3, 6, seed=3)
+    r = _f64(3, 6, seed=4) if with_residual else None
+    w, b = _f64(6, seed=5), _f64(6, seed=6)
+
+    def fn(x, r, w, b):
+        if kind == "layer":
+            return add_layer_norm(x, r, 6, w, b, residual_in_fp32=True)
+        return add_rms_norm(x, r, 6, w, residual_in_fp32=True)
+
+    assert torch.autograd.gradcheck(fn, (x, r, w, b))
+    if with_residual:
+        assert torch.autograd.gradgradcheck(fn, (x, r, w, b))
+
+
+# --------------------------------------------------------------------------- drop-in
+
+
+@pytest.mark.parametrize("cls, torch_cls, args", [
+    (BatchNormAct1d, nn.BatchNorm1d, (4,)), (BatchNormAct2d, nn.BatchNorm2d, (4,)),
+    (BatchNormAct3d, nn.BatchNorm3d, (4,)), (GroupNormAct, nn.GroupNorm, (2, 4)),
+    (AddLayerNorm, nn.LayerNorm, (4,)), (AddRMSNorm, nn.RMSNorm, (4,)),
+])
+def test_state_dict_interchange_with_torch(cls, torch_cls, args):
+    ours, plain = cls(*args), torch_cls(*args)
+    assert isinstance(ours, torch_cls)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.uniform_(-1, 1)
+        if isinstance(plain, nn.BatchNorm2d | nn.BatchNorm1d | nn.BatchNorm3d):
+            plain.running_mean.uniform_(-1, 1)
+            plain.num_batches_tracked.fill_(7)
+    ours.load_state_dict(plain.state_dict())
+    back = torch_cls(*args)
+    back.load_state_dict(ours.state_dict())
+    for key, value in plain.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    assert ours.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_batch_norm_act2d_loads_a_trained_batchnorm_and_matches_it():
+    plain = nn.BatchNorm2d(3)
+    x = torch.randn(8, 3, 4, 4) * 2 + 1
+    plain(x)
+    ours = BatchNormAct2d(3, act="relu")
+    ours.load_state_dict(plain.state_dict())
+    ours.eval()
+    plain.eval()
+    assert_close(ours(x), torch.relu(plain(x)), torch.float32)
+    assert "act='relu'" in repr(ours) and "memory" not in repr(ours)
+    assert "memory='inplace'" in repr(BatchNormAct2d(3, act="elu", memory="inplace"))
+    assert "act='silu'" in repr(GroupNormAct(1, 3, act="silu"))
+    assert "residual_in_fp32=True" in repr(AddRMSNorm(3, residual_in_fp32=True))
+
+
+def test_modules_trace_without_graph_breaks():
+    """Under torch.compile ``backend="auto"`` takes the reference math (fullgraph works)."""
+    cases = [(BatchNormAct2d(4, act="silu"), (torch.randn(2, 4, 5, 5),)),
+             (BatchNormAct2d(4, act="elu", memory="inplace"), (torch.randn(2, 4, 5, 5),)),
+             (GroupNormAct(2, 4), (torch.randn(2, 4, 5, 5),)),
+             (AddLayerNorm(8), (torch.randn(3, 8), torch.randn(3, 8))),
+             (AddRMSNorm(8), (torch.randn(3, 8), None))]
+    for module, args in cases:
+        eager = module(*args)
+        compiled = torch.compile(module, backend="eager", fullgraph=True)(*args)
+        for a, b in zip(torch.utils._pytree.tree_leaves(compiled),
+                        torch.utils._pytree.tree_leaves(eager), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_tolerance_table_covers_the_tested_dtypes():
+    assert set(DTYPES) <= set(GRAD_TOL)
+    assert fused.MEMORY_MODES == ("standard", "inplace")
