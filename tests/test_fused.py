@@ -15,11 +15,10 @@ import torch
 from cases import make_input, memory_format_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import GRAD_TOL, assert_close, assert_grad_close, channel_view, normalize64
+from oracle import assert_close, assert_grad_close, channel_view, normalize64
 from torch import nn
 from torch.nn import functional as TF
 
-from normkit.norms import fused
 from normkit.norms.fused import (
     ACTIVATIONS,
     INVERTIBLE_ACTIVATIONS,
@@ -38,6 +37,16 @@ from normkit.norms.fused import (
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 LAYOUTS = ["contiguous", "channels_last"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tensors here are tiny: with intra-op threads on a busy machine, torch's
+    per-channel kernels wait on descheduled threads (gradcheck: seconds per test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def act64(name: str, y: torch.Tensor, negative_slope: float = 0.01,
@@ -688,8 +697,3 @@ def test_modules_trace_without_graph_breaks():
         for a, b in zip(torch.utils._pytree.tree_leaves(compiled),
                         torch.utils._pytree.tree_leaves(eager), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def test_grad_tolerance_table_covers_the_tested_dtypes():
-    assert set(DTYPES) <= set(GRAD_TOL)
-    assert fused.MEMORY_MODES == ("standard", "inplace")
