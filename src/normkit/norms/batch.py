@@ -103,15 +103,26 @@ class _BatchNormForward(BackendMixin):
                 factor = 1.0 / float(self.num_batches_tracked)
         return factor
 
-    def forward(self, input: Tensor) -> Tensor:
-        self._check_input_dim(input)
+    def _step_arguments(self) -> tuple[Tensor | None, Tensor | None, bool, float]:
+        """``(running_mean, running_var, use_batch_stats, factor)`` for this forward.
+
+        torch's ``_BatchNorm.forward`` rules: count the step, use batch statistics in
+        training (or without running buffers), and hand the buffers over only when they
+        are read (eval) or updated (training with ``track_running_stats``).
+        """
         factor = self._momentum_factor()
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or self.track_running_stats
+        return (self.running_mean if keep else None, self.running_var if keep else None,
+                use_batch_stats, factor)
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        running_mean, running_var, use_batch_stats, factor = self._step_arguments()
         return F.batch_norm(
             input,
-            self.running_mean if keep else None,
-            self.running_var if keep else None,
+            running_mean,
+            running_var,
             self.weight,
             self.bias,
             use_batch_stats,

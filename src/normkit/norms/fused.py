@@ -1244,13 +1244,11 @@ class _BatchNormActForward(_BatchNormForward):
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
-        factor = self._momentum_factor()
-        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        keep = not self.training or self.track_running_stats
+        running_mean, running_var, use_batch_stats, factor = self._step_arguments()
         return batch_norm_act(
             input,
-            self.running_mean if keep else None,
-            self.running_var if keep else None,
+            running_mean,
+            running_var,
             self.weight,
             self.bias,
             use_batch_stats,

@@ -200,15 +200,10 @@ class SyncBatchNorm(_BatchNormForward, nn.SyncBatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
-        factor = self._momentum_factor()
-        use_batch_stats = self.training or (self.running_mean is None
-                                            and self.running_var is None)
+        running_mean, running_var, use_batch_stats, factor = self._step_arguments()
         group = _group_or_world(self.process_group)
         need_sync = (use_batch_stats and self.training and dist.is_available()
                      and dist.is_initialized() and dist.get_world_size(group) > 1)
-        keep = not self.training or self.track_running_stats
-        running_mean = self.running_mean if keep else None
-        running_var = self.running_var if keep else None
         if not need_sync:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                 use_batch_stats, factor, self.eps,
