@@ -25,6 +25,7 @@ from .kernels import native
 from .kernels import triton as tk
 from .norms._core import (
     affine_view,
+    check_backend,
     check_floating,
     compiling,
     normalize,
@@ -358,7 +359,16 @@ def rms_norm(
         return _empty_result(input, weight, None)
     if _use_triton(backend, input, lambda: tk.supports_rms_norm(input, shape, weight)):
         return tk.rms_norm(input, shape, weight, eps)
-    return normalize(input, dims, weight, None, eps, center=False, backend=backend)[0]
+    if check_backend(backend) == "reference" or compiling() or not input.is_contiguous():
+        # (the strided path keeps the input's memory format in the output)
+        return normalize(input, dims, weight, None, eps, center=False, backend=backend)[0]
+    # RMSNorm has no mean to cancel, so one path serves every contiguous input: the row
+    # kernel of the fused residual-add RMSNorm with nothing to add (its backward is
+    # torch's LayerNorm backward kernel plus one correction term)
+    from .norms import fused
+
+    return fused._AddNormFunction.apply(input, None, weight, None, shape, eps, False,
+                                        input.dtype, False)
 
 
 def layer_norm2d(

