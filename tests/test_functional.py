@@ -98,16 +98,23 @@ def test_backend_is_read_at_call_time():
 
 
 @pytest.mark.parametrize("make,shape,layout,fast", [
-    (lambda: normkit.BatchNorm2d(4), (8, 4, 5, 5), "contiguous", "NativeBatchNorm"),
+    (lambda: normkit.BatchNorm2d(4), (8, 4, 5, 5), "contiguous", "SliceNorm"),
+    (lambda: normkit.BatchNorm2d(4), (8, 4, 3, 3), "contiguous", "NativeBatchNorm"),
     (lambda: normkit.BatchNorm2d(4), (8, 4, 5, 5), "channels_last", "NativeBatchNorm"),
     (lambda: normkit.GroupNorm(2, 4), (8, 4, 5, 5), "contiguous", "NativeGroupNorm"),
-    (lambda: normkit.GroupNorm(2, 4), (8, 4, 5, 5), "channels_last", "NativeGroupNorm"),
+    (lambda: normkit.GroupNorm(2, 4), (8, 4, 5, 5), "channels_last", "SliceNorm"),
+    (lambda: normkit.InstanceNorm2d(4), (8, 4, 5, 5), "contiguous", "SliceNorm"),
+    (lambda: normkit.InstanceNorm2d(4), (8, 4, 5, 5), "channels_last", "SliceNorm"),
     (lambda: normkit.LayerNorm2d(4), (8, 4, 5, 5), "channels_last", "NativeLayerNorm"),
     (lambda: normkit.LayerNorm2d(4), (8, 4, 5, 5), "contiguous", None),
     (lambda: normkit.LayerNorm(5), (8, 4, 5, 5), "contiguous", "NativeLayerNorm"),
-], ids=["bn", "bn-cl", "gn", "gn-cl", "ln2d-cl", "ln2d", "ln"])
-def test_auto_uses_torchs_kernel_only_where_it_is_accurate(make, shape, layout, fast):
+], ids=["bn", "bn-small", "bn-cl", "gn", "gn-cl", "in", "in-cl", "ln2d-cl", "ln2d", "ln"])
+def test_auto_uses_torchs_kernel_only_where_it_is_accurate(make, shape, layout, fast,
+                                                           monkeypatch):
     """Every fast path is taken on well-conditioned data and refused at an offset."""
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0)  # small inputs take the slice engine
     module = make()
     x = torch.randn(shape)
     if layout == "channels_last":

@@ -1,0 +1,329 @@
+"""BatchNorm, InstanceNorm and GroupNorm from per-(sample, channel) sums.
+
+BN, IN and GN all normalize whole ``(n, c)`` slices of ``(N, C, *)`` input and differ
+only in how they pool them (:class:`Pool`): BN pools a channel's slices over the batch,
+IN keeps each slice alone, GN pools the ``C / G`` consecutive channels of a sample. So
+
+* the statistics of all three come from two sums per slice over its ``L`` positions,
+  ``S1 = sum x`` and ``S2 = sum x^2``, pooled (:func:`moments`);
+* the backward of all three from two more, ``sum dy`` and ``sum dy (x - mean)``, pooled
+  the same way (:func:`backward`);
+* the elementwise work is one pass forward, ``y = x * a + b`` with per-slice ``a, b``,
+  and two backward, ``dx = k1 * dy + k2 * x + k3``.
+
+Contiguous (NCHW) input: the slice sums are row reductions (``sum`` and ``vector_norm``,
+no temporary), the backward sums come from torch's BatchNorm backward kernel run on the
+``(1, N*C, L)`` view (each slice a "channel", reductions only), and every per-slice
+affine pass is torch's inference BatchNorm kernel on that view. torch's own NCHW
+BatchNorm and InstanceNorm kernels are 2-3x slower (statistics per channel across the
+batch, accumulated in double). Channels-last input: the sums are outer reductions,
+vectorized across the channels, on the tensor as it is.
+
+Accuracy: ``var = E[x^2] - E[x]^2`` loses a factor ``1 + r^2`` (``r = |mean| / std`` of a
+pooled group) of the sums' relative error (~1e-7), so a result is kept only when every
+group has ``r <= RATIO`` (measured error <= 1e-6, like torch's kernels; a larger true
+``r`` cannot pass the check, since the computed variance is at most the true one plus
+``1e-6 * mean^2``); otherwise the caller takes normkit's compensated path. The folded
+affine ``x * a + b`` (``b = beta - mean * a``) costs one more rounding of relative size
+``r * 1e-7``, negligible under the same bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .native import well_conditioned
+
+__all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "supports", "moments", "affine",
+           "backward", "normalize"]
+
+#: Largest pooled ``|mean| / std`` for which ``E[x^2] - E[x]^2`` from float32 sums is kept.
+RATIO = 2.0
+#: Fewest positions per slice, and fewest elements, for which the engine pays off. It
+#: runs ~40 small ATen calls per forward and backward (~0.1 ms on one CPU thread), so
+#: below ~2^18 elements torch's kernels, even with normkit's accuracy check, are faster
+#: (measured crossover on BatchNorm2d training: 2^17 to 2^19 elements).
+MIN_POSITIONS = 16
+MIN_ELEMENTS = 1 << 18
+
+_WIDE = (torch.float32, torch.float64)
+_ATEN = torch.ops.aten
+
+
+class Pool(NamedTuple):
+    """How slices are pooled into normalization groups.
+
+    ``kind`` is ``"batch"`` (one group per channel, across the batch: BatchNorm),
+    ``"instance"`` (each slice alone) or ``"group"`` (``groups`` groups of consecutive
+    channels per sample: GroupNorm).
+
+    Example:
+        >>> Pool("group", 2).sum(torch.arange(8.0).view(2, 4))
+        tensor([[ 1.,  1.,  5.,  5.],
+                [ 9.,  9., 13., 13.]])
+    """
+
+    kind: str
+    groups: int = 1
+
+    def sum(self, t: Tensor) -> Tensor:
+        """Sum an ``(N, C)`` per-slice tensor over each group, broadcast to its slices
+        (``(1, C)`` for batch pooling, ``(N, C)`` otherwise)."""
+        if self.kind == "batch":
+            return t.sum(0, keepdim=True)
+        if self.kind == "instance":
+            return t
+        n, c = t.shape
+        return t.view(n, self.groups, -1).sum(2, keepdim=True).expand(
+            n, self.groups, c // self.groups).reshape(n, c)
+
+    def count(self, x: Tensor) -> int:
+        """Number of elements in each group of ``x``."""
+        n, c = x.shape[:2]
+        positions = x[0, 0].numel() if x.numel() else 0
+        if self.kind == "batch":
+            return n * positions
+        if self.kind == "instance":
+            return positions
+        return c // self.groups * positions
+
+
+def _channels_last(x: Tensor) -> bool:
+    if x.is_contiguous():
+        return False
+    return ((x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+            or (x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)))
+
+
+def supports(x: Tensor, *params: Tensor | None) -> bool:
+    """Whether this engine serves ``x``: float32/float64, parameters of the same dtype,
+    contiguous or channels-last, at least :data:`MIN_POSITIONS` positions per slice and
+    :data:`MIN_ELEMENTS` elements.
+
+    Example:
+        >>> supports(torch.randn(32, 16, 32, 32)), supports(torch.randn(2, 3, 8, 8))
+        (True, False)
+    """
+    if x.dtype not in _WIDE or x.dim() < 3 or x.numel() == 0 or x.numel() < MIN_ELEMENTS:
+        return False
+    if any(p is not None and p.dtype != x.dtype for p in params):
+        return False
+    if x[0, 0].numel() < MIN_POSITIONS:
+        return False
+    return x.is_contiguous() or _channels_last(x)
+
+
+def _columns(t: Tensor) -> Tensor:
+    """``(N, L, C)``: channels innermost (a view of channels-last input, else a copy)."""
+    return t.movedim(1, -1).reshape(t.shape[0], -1, t.shape[1])
+
+
+def _slice_sums(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(N, C)`` sums of ``x`` and ``x^2`` over each slice's positions."""
+    n, c = x.shape[:2]
+    if x.is_contiguous():
+        rows = x.view(n * c, -1)
+        s1 = rows.sum(1)
+        s2 = torch.linalg.vector_norm(rows, 2, 1).square_()
+    else:  # outer reductions: vector_norm is up to 8x slower there than square + sum
+        cols = _columns(x)
+        s1 = cols.sum(1)
+        s2 = (cols * cols).sum(1)
+    return s1.view(n, c), s2.view(n, c)
+
+
+def moments(x: Tensor, pool: Pool, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Pooled ``(mean, var, rstd)`` per slice, or ``None`` when a group is ill-conditioned.
+
+    Shapes are ``(1, C)`` for batch pooling and ``(N, C)`` otherwise; ``var`` is biased.
+
+    Example:
+        >>> x = torch.randn(4, 3, 8, 8)
+        >>> mean, var, rstd = moments(x, Pool("batch"), 1e-5)
+        >>> torch.allclose(mean.view(-1), x.mean((0, 2, 3)), atol=1e-6)
+        True
+        >>> moments(x + 100.0, Pool("batch"), 1e-5) is None
+        True
+    """
+    s1, s2 = _slice_sums(x)
+    count = pool.count(x)
+    mean = pool.sum(s1).div_(count)
+    var = pool.sum(s2).div_(count).sub_(mean * mean).clamp_(min=0)
+    rstd = torch.rsqrt(var + eps)
+    if not well_conditioned(mean, rstd, RATIO):
+        return None
+    return mean, var, rstd
+
+
+def _per_slice(t: Tensor, n: int) -> Tensor:
+    """A ``(1, C)`` or ``(N, C)`` tensor as ``N*C`` contiguous values."""
+    return t.expand(n, t.shape[1]).reshape(-1)
+
+
+def _slice_affine(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    """``x * scale + shift`` with per-slice ``(1|N, C)`` scale and shift, in x's layout."""
+    n, c = x.shape[:2]
+    if x.is_contiguous():
+        # torch's inference BatchNorm kernel on the (1, N*C, L) view: one pass, and
+        # faster than a broadcast addcmul (running_var = 1 and eps = 0 make it exact)
+        # (written through a view of a fresh tensor: the result itself is not a view, so
+        # autograd lets callers modify it in place, e.g. an inplace ReLU)
+        unit = torch.ones(n * c, dtype=x.dtype, device=x.device)
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        _ATEN.native_batch_norm.out(
+            x.view(1, n * c, -1), _per_slice(scale, n), _per_slice(shift, n),
+            torch.zeros_like(unit), unit, False, 0.0, 0.0, out=y.view(1, n * c, -1),
+            save_mean=x.new_empty(0), save_invstd=x.new_empty(0))
+        return y
+    view = (-1, c) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.view(view), x, scale.view(view))
+
+
+def affine(x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,
+           bias: Tensor | None) -> Tensor:
+    """``(x - mean) * rstd * weight + bias`` folded into one per-slice ``x * a + b`` pass.
+
+    Example:
+        >>> x = torch.randn(2, 3, 4, 4)
+        >>> mean, var, rstd = moments(x, Pool("instance"), 0.0)
+        >>> y = affine(x, mean, rstd, None, None)
+        >>> torch.allclose(y.mean((2, 3)), torch.zeros(2, 3), atol=1e-5)
+        True
+    """
+    scale = rstd if weight is None else rstd * weight
+    shift = -mean * scale if bias is None else bias - mean * scale
+    return _slice_affine(x, scale, shift)
+
+
+def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]:
+    """``(N, C)`` per-slice ``sum dy`` and ``sum dy (x - mean)``."""
+    n, c = x.shape[:2]
+    if x.is_contiguous():
+        # torch's BatchNorm backward on the (1, N*C, L) view with unit invstd, reductions
+        # only: its "dweight" is sum dy (x - mean) per slice, "dbias" is sum dy
+        unit = torch.ones(n * c, dtype=x.dtype, device=x.device)
+        _, sx, s1 = _ATEN.native_batch_norm_backward(
+            dy.contiguous().view(1, n * c, -1), x.view(1, n * c, -1), unit, None, None,
+            _per_slice(mean, n), unit, True, 0.0, [False, True, True])
+        return s1.view(n, c), sx.view(n, c)
+    cols_dy, cols_x = _columns(dy), _columns(x)  # (N, L, C)
+    s1 = cols_dy.sum(1)
+    sx = (cols_dy * cols_x).sum(1).sub_(mean * s1)
+    return s1, sx
+
+
+def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,
+             pool: Pool, mask: tuple[bool, bool, bool]
+             ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    r"""``(dx, dweight, dbias)`` of :func:`affine` over statistics pooled by ``pool``.
+
+    With per-slice ``S1 = sum dy`` and ``Sx = sum dy (x - mean)``: ``dbias = sum_n S1``,
+    ``dweight = sum_n rstd Sx``, and ``dx = rstd gamma dy - rstd A - rstd^2 B (x - mean)``
+    with the group means ``A = mean_g(gamma S1)``, ``B = mean_g(gamma rstd Sx)``, applied
+    as ``dx = k1 dy + k2 x + k3``.
+
+    Example:
+        >>> x = torch.randn(2, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+        >>> y = torch.nn.functional.group_norm(x, 2, eps=1e-5)
+        >>> dy = torch.randn_like(y)
+        >>> y.backward(dy)
+        >>> mean, var, rstd = moments(x.detach(), Pool("group", 2), 1e-5)
+        >>> dx, _, _ = backward(dy, x.detach(), mean, rstd, None, Pool("group", 2),
+        ...                     (True, False, False))
+        >>> torch.allclose(dx, x.grad)
+        True
+    """
+    n, c = x.shape[:2]
+    s1, sx = _backward_sums(dy, x, mean)
+    dx = dw = db = None
+    if mask[1]:
+        dw = (rstd * sx).sum(0)
+    if mask[2]:
+        db = s1.sum(0)
+    if mask[0]:
+        count = pool.count(x)
+        gamma = s1.new_ones(c) if weight is None else weight
+        a = pool.sum(gamma * s1).div_(count)
+        b = pool.sum(gamma * rstd * sx).div_(count)
+        k1, k2 = rstd * gamma, -rstd * rstd * b
+        k3 = rstd * (rstd * b * mean - a)
+        dx = _slice_affine(dy.contiguous() if x.is_contiguous() else dy, k1, k3)
+        if x.is_contiguous():
+            dx.view(1, n * c, -1).addcmul_(x.view(1, n * c, -1), _per_slice(k2, n).view(
+                1, -1, 1))
+        else:
+            dx.addcmul_(x, k2.view((-1, c) + (1,) * (x.dim() - 2)))
+    return dx, dw, db
+
+
+class _SliceNormFunction(torch.autograd.Function):
+    """:func:`affine` with fixed pooled statistics; backward by :func:`backward`.
+
+    ``precomputed`` may hold the output already computed by a torch kernel (GroupNorm on
+    channels-last, whose forward kernel is faster than the per-slice affine). Double
+    backward differentiates ``reference``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, rstd, pool, reference, precomputed):
+        y = precomputed[0] if precomputed else affine(x, mean, rstd, weight, bias)
+        ctx.pool, ctx.reference = pool, reference
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+            wanted = [t for t, need in zip((x, weight, bias), needs, strict=True) if need]
+            with torch.enable_grad():
+                y = ctx.reference(x, weight, bias)
+                grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True,
+                                                 allow_unused=True))
+            out = [next(grads) if need else None for need in needs]
+        else:
+            out = backward(dy, x, mean, rstd, weight, ctx.pool, needs)
+        return (*out, None, None, None, None, None)
+
+
+def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, pool: Pool, eps: float,
+              reference: Callable[[Tensor, Tensor | None, Tensor | None], Tensor],
+              precomputed: tuple[Tensor, Tensor, Tensor] | None = None,
+              ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Normalize ``(N, C, *)`` input by pooled slice statistics: ``(y, mean, var)``.
+
+    Returns ``None`` (and computes nothing else) when :func:`supports` refuses the input
+    or a group is ill-conditioned (see the module notes). ``weight``/``bias`` are ``(C,)``;
+    ``mean``/``var`` come back as ``(1, C)`` (batch pooling) or ``(N, C)``, ``var`` biased.
+    ``reference(x, weight, bias)`` recomputes ``y`` differentiably (double backward).
+    ``precomputed = (y, mean, rstd)`` uses a forward already computed by a torch kernel
+    (its statistics broadcast to ``(N, C)``); it is checked by the same rule.
+
+    Example:
+        >>> x = torch.randn(16, 4, 64, 64, requires_grad=True)  # 2^18 elements
+        >>> ref = lambda x, w, b: torch.nn.functional.instance_norm(x)
+        >>> y, mean, var = normalize(x, None, None, Pool("instance"), 1e-5, ref)
+        >>> torch.allclose(y, ref(x, None, None), atol=1e-5)
+        True
+    """
+    if not supports(x, weight, bias):
+        return None
+    xd = x.detach()
+    if precomputed is None:
+        stats = moments(xd, pool, eps)
+        if stats is None:
+            return None
+        mean, var, rstd = stats
+        saved = ()
+    else:
+        y, mean, rstd = precomputed
+        if not well_conditioned(mean, rstd, RATIO):
+            return None
+        var, saved = rstd.pow(-2).sub_(eps), (y,)
+    y = _SliceNormFunction.apply(x, weight, bias, mean, rstd, pool, reference, saved)
+    return y, mean, var

@@ -1,0 +1,177 @@
+"""The per-(sample, channel) sums engine (normkit.kernels.channels): BN, IN and GN.
+
+Each case checks that ``backend="auto"`` takes the engine on well-conditioned data,
+that forward and every gradient equal the float64 reference (per-dtype tolerances,
+also just under the engine's ``|mean| / std`` bound), that the engine refuses data past
+the bound, and that double backward and running statistics are right.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import assert_close, assert_grad_close, reference_forward
+
+import normkit
+from normkit.kernels import channels
+
+
+@pytest.fixture(autouse=True)
+def small_inputs_take_the_engine(monkeypatch):
+    """The engine's size floor is a speed rule; these tests exercise it on small inputs."""
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0)
+
+
+CASES = {
+    "bn": (lambda: normkit.BatchNorm2d(6), "contiguous"),
+    "bn1d": (lambda: normkit.BatchNorm1d(6), "contiguous"),
+    "in": (lambda: normkit.InstanceNorm2d(6, affine=True, track_running_stats=True),
+           "contiguous"),
+    "in-cl": (lambda: normkit.InstanceNorm2d(6, affine=True), "channels_last"),
+    "in3d-cl": (lambda: normkit.InstanceNorm3d(6, affine=True), "channels_last"),
+    "gn-cl": (lambda: normkit.GroupNorm(3, 6), "channels_last"),
+}
+
+
+def _input(name: str, offset: float, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    shape = {"bn1d": (5, 6, 40), "in3d-cl": (3, 6, 3, 4, 5)}.get(name, (5, 6, 7, 9))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    # every (n, c) slice standardized exactly, so every pooled group has mean 0 and std 1
+    dims = tuple(range(2, x.dim()))
+    x = (x - x.mean(dims, keepdim=True)) / x.std(dims, correction=0, keepdim=True)
+    x = (x * 1.5 + offset).to(dtype)
+    layout = CASES[name][1]
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4
+                         else torch.channels_last_3d)
+    return x
+
+
+def _module(name: str, dtype) -> torch.nn.Module:
+    module = CASES[name][0]().to(dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+    return module
+
+
+def _run(name, offset, dtype):
+    module = _module(name, dtype)
+    x = _input(name, offset, dtype).requires_grad_()
+    y = module(x)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    twin = _module(name, torch.float64)
+    ref = reference_forward(twin, x64, input_dtype=dtype)
+    ref.backward(dy.double())
+    return module, twin, x, y, x64, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("ratio", [0.0, 0.85], ids=["centered", "near-bound"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_is_taken_and_equals_the_reference(name, ratio, dtype):
+    # offset = ratio * bound * std (std 1.5): just under the bound the engine still runs
+    module, twin, x, y, x64, ref = _run(name, ratio * channels.RATIO * 1.5, dtype)
+    assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    assert y.is_contiguous(memory_format=torch.channels_last if CASES[name][1] ==
+                           "channels_last" and x.dim() == 4 else torch.contiguous_format
+                           ) or x.dim() == 5
+    assert_close(y, ref, dtype)
+    assert_grad_close(x.grad, x64.grad, dtype, "input grad")
+    for p, p64 in zip(module.parameters(), twin.parameters(), strict=True):
+        assert_grad_close(p.grad, p64.grad, dtype, "parameter grad")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_refuses_data_past_its_bound(name):
+    module = _module(name, torch.float32)
+    y = module(_input(name, 3.0 * channels.RATIO * 1.5).requires_grad_())
+    assert "SliceNorm" not in type(y.grad_fn).__name__
+
+
+def test_engine_refuses_nan_and_lets_it_propagate():
+    x = torch.randn(2, 3, 5, 5)
+    x[1, 2, 0, 0] = float("nan")
+    assert channels.moments(x, channels.Pool("batch"), 1e-5) is None
+    y = normkit.functional.batch_norm(x, None, None, training=True)
+    assert torch.isnan(y[:, 2]).all() and not torch.isnan(y[:, :2]).any()
+
+
+@pytest.mark.parametrize("kind", ["batch", "instance", "group"])
+def test_double_backward_through_the_engine(kind):
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    fn = {
+        "batch": lambda x, w, b: normkit.functional.batch_norm(x, None, None, w, b, True),
+        "instance": lambda x, w, b: normkit.functional.instance_norm(x, weight=w, bias=b),
+        "group": lambda x, w, b: normkit.functional.group_norm(
+            x.contiguous(memory_format=torch.channels_last), 2, w, b),
+    }[kind]
+    assert "SliceNorm" in type(fn(x, w, b).grad_fn).__name__
+    torch.autograd.gradgradcheck(fn, (x, w, b))
+
+
+def test_batch_norm_running_stats_match_torch():
+    nk, tm = normkit.BatchNorm2d(6), torch.nn.BatchNorm2d(6)
+    for seed in range(3):
+        x = _input("bn", 0.5, seed=seed)
+        y = nk(x)
+        torch.testing.assert_close(y, tm(x), atol=2e-5, rtol=2e-5)
+        assert "SliceNorm" in type(nk(x.requires_grad_()).grad_fn).__name__
+        nk(x.detach())  # (the extra calls keep nk and tm in step below)
+        tm(x.detach()), tm(x.detach())
+    torch.testing.assert_close(nk.running_mean, tm.running_mean)
+    torch.testing.assert_close(nk.running_var, tm.running_var)
+
+
+def test_instance_norm_running_stats_match_torch():
+    nk = normkit.InstanceNorm2d(6, track_running_stats=True)
+    tm = torch.nn.InstanceNorm2d(6, track_running_stats=True)
+    x = _input("in", 0.5)
+    torch.testing.assert_close(nk(x), tm(x), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(nk.running_mean, tm.running_mean)
+    torch.testing.assert_close(nk.running_var, tm.running_var)
+
+
+def test_pool_groups_and_counts():
+    x = torch.zeros(2, 6, 3, 4)
+    assert [channels.Pool(k, 3).count(x) for k in ("batch", "instance", "group")] == [
+        24, 12, 24]
+    t = torch.arange(12.0).view(2, 6)
+    assert channels.Pool("batch").sum(t).tolist() == [[6, 8, 10, 12, 14, 16]]
+    assert channels.Pool("group", 3).sum(t)[1].tolist() == [13, 13, 17, 17, 21, 21]
+
+
+def test_engine_supports_only_what_it_serves():
+    x = torch.randn(2, 3, 8, 8)
+    assert channels.supports(x)
+    assert not channels.supports(x.half())
+    assert not channels.supports(x, torch.ones(3, dtype=torch.float64))
+    assert not channels.supports(x[:, :, ::2])  # strided
+    assert not channels.supports(torch.randn(2, 3, 3, 3))  # too few positions
+    assert not channels.supports(torch.randn(0, 3, 8, 8))
+
+
+def test_engine_size_floor(monkeypatch):
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 18)
+    assert not channels.supports(torch.randn(8, 16, 32, 32))
+    assert channels.supports(torch.randn(16, 16, 32, 32))
+    y = normkit.BatchNorm2d(16)(torch.randn(8, 16, 32, 32, requires_grad=True))
+    assert "SliceNorm" not in type(y.grad_fn).__name__
+
+
+def test_engine_output_can_be_modified_in_place():
+    """An inplace ReLU after the norm (torchvision's ResNets) needs a non-view output."""
+    cases = [(normkit.BatchNorm2d, torch.nn.BatchNorm2d, _input("bn", 0.0)),
+             (normkit.InstanceNorm2d, torch.nn.InstanceNorm2d, _input("in-cl", 0.0))]
+    for nk_cls, torch_cls, x in cases:
+        grads = []
+        for cls, relu in ((nk_cls, torch.nn.ReLU(inplace=True)), (torch_cls, torch.nn.ReLU())):
+            x_ = x.detach().clone().requires_grad_()
+            torch.nn.Sequential(cls(6, affine=True), relu)(x_).sum().backward()
+            grads.append(x_.grad)
+        torch.testing.assert_close(grads[0], grads[1], atol=2e-5, rtol=2e-5)
