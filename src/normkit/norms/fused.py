@@ -43,11 +43,11 @@ read off its output (ReLU, LeakyReLU and ELU with non-negative slope, identity) 
 applied in place on the normalized output, so no second activation-sized buffer is
 allocated or kept; SiLU and GELU keep ``y`` for their derivative, as torch does. The
 norm's backward then runs on the resulting ``dy``. BatchNorm statistics come from
-two fast row reductions (:func:`_row_moments`) for contiguous input, from torch's own
-kernels for channels-last input (:func:`_fast_batch_norm`), and GroupNorm's from torch's
-fused kernel
-(contiguous) or from per-channel sums (channels-last), each kept only where its
-accuracy bound holds for the data at hand; otherwise from normkit's compensated core.
+two fast row reductions (:func:`normkit.kernels.channels.moments`) for contiguous
+input, from torch's own kernels for channels-last input (:func:`_fast_batch_norm`), and
+GroupNorm's from torch's fused kernel (contiguous) or from per-channel sums
+(channels-last), each kept only where its accuracy bound holds for the data at hand;
+otherwise from normkit's compensated core.
 
 In-Place Activated BatchNorm (Rota Bulò, Porzi & Kontschieder, CVPR 2018)
 --------------------------------------------------------------------------
@@ -103,7 +103,7 @@ from torch.nn import functional as TF
 
 from .. import _stats
 from .. import functional as F
-from ..kernels import native
+from ..kernels import channels, native
 from ._base import BackendMixin
 from ._core import (
     affine_view,
@@ -692,39 +692,14 @@ def _update_running(running_mean: Tensor | None, running_var: Tensor | None, mea
         _stats.update_running_(running_var, batch_var, momentum)
 
 
-#: Largest |mean| / std for which E[x^2] - E[x]^2 (fp32 row sums) is kept; see _row_moments.
-_ROW_MOMENTS_RATIO = 2.0
-
-
-def _row_moments(x: Tensor, count: int, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Per-channel ``(mean, var, invstd)`` of contiguous ``(N, C, *)`` input from row sums.
-
-    Two innermost reductions over each ``(n, c)`` row (``sum`` and ``vector_norm``, no
-    temporary) give ``E[x]`` and ``E[x^2]``; ``var = E[x^2] - E[x]^2`` loses a factor
-    ``1 + r^2`` (``r = |mean| / std``) of the sums' relative error (~1e-7), so the result
-    is kept only when every channel has ``r <= 2`` (measured error <= 1e-6, like torch's
-    kernel). A larger true ``r`` cannot pass the check: the computed variance is at most
-    the true one plus ``1e-6 * mean^2``, so the computed ratio is at least
-    ``min(r, 1000) / sqrt(2)``.
-    """
-    n, c = x.shape[:2]
-    rows = x.view(n, c, -1)  # (N, C, L)
-    mean = rows.sum(2).sum(0).div_(count)
-    mean_sq = torch.linalg.vector_norm(rows, 2, 2).square_().sum(0).div_(count)
-    var = mean_sq.sub_(mean * mean).clamp_(min=0)
-    invstd = torch.rsqrt(var + eps)
-    if not native.well_conditioned(mean, invstd, _ROW_MOMENTS_RATIO):
-        return None
-    return mean, var, invstd
-
-
 def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                      running_mean: Tensor | None, running_var: Tensor | None, momentum: float,
                      eps: float, count: int, unbiased: bool,
                      overwrite: bool) -> tuple[Tensor, Tensor, Tensor] | None:
     """``(y, mean, invstd)`` of training-mode BatchNorm from fast kernels, else ``None``.
 
-    * contiguous input with at least 16 positions per row: :func:`_row_moments` (torch's
+    * contiguous input with at least 16 positions per row: the row sums of
+      :func:`normkit.kernels.channels.moments` (torch's
       NCHW statistics kernel is several times slower), then ``x * scale + shift``;
     * otherwise torch's own kernels, whose accuracy bound :mod:`normkit.kernels.native`
       checks: its fused BatchNorm (statistics and output in one call), or its statistics
@@ -738,9 +713,9 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     if threshold is None or x.dtype not in _WIDE or not _same_dtype(x, weight, bias):
         return None
     if x.is_contiguous() and x.dim() > 2 and x[0, 0].numel() >= 16:
-        fast = _row_moments(x, count, eps)
+        fast = channels.moments(x, channels.Pool("batch"), eps)
         if fast is not None:
-            mean, var, invstd = fast
+            mean, var, invstd = (t.view(-1) for t in fast)
             _update_running(running_mean, running_var, mean, var, count, momentum, unbiased)
             return _normalize_with(x, mean, invstd, weight, bias, overwrite), mean, invstd
     buffers = (running_mean, running_var)
@@ -999,9 +974,8 @@ class _GroupNormActFunction(torch.autograd.Function):
     * contiguous input: torch's fused kernels, forward and backward, where accurate;
     * channels-last input: per-(sample, channel) sums over the positions (outer
       reductions on the tensor as it is, no copy), combined per group under the
-      ``r <= 2`` rule of :func:`_row_moments`, and a hand-derived backward from the
-      same kind of sums (torch's channels-last GroupNorm kernel is not accurate enough
-      to use, see :mod:`normkit.kernels.native`);
+      ``r <= 2`` rule of :mod:`normkit.kernels.channels`, and its backward from the
+      same kind of sums (the engine :func:`normkit.functional.group_norm` uses too);
     * otherwise (ill-conditioned, 16-bit, mixed dtypes): normkit's compensated core,
       recomputed in backward.
 
@@ -1017,11 +991,10 @@ class _GroupNormActFunction(torch.autograd.Function):
         y = mean = rstd = None
         path = "robust"
         if fast and layout is not None:
-            stats = _channels_last_group_moments(x, groups, eps)
+            stats = channels.moments(x, channels.Pool("group", groups), eps)
             if stats is not None:
-                mean, rstd = stats
-                scale, shift = _group_affine(x, mean, rstd, weight, bias)
-                y, path = torch.addcmul(shift, x, scale), "channels_last"
+                mean, _, rstd = stats
+                y, path = channels.affine(x, mean, rstd, weight, bias), "channels_last"
         elif fast:
             y, mean, rstd = torch.native_group_norm(x.contiguous(), weight, bias, n, c,
                                                     x.numel() // (n * c), groups, eps)
@@ -1068,84 +1041,9 @@ class _GroupNormActFunction(torch.autograd.Function):
                     dy.contiguous(), x.contiguous(), mean, rstd, weight, n, c,
                     x.numel() // (n * c), groups, mask)
             else:
-                grads = _channels_last_group_backward(dy, x, mean, rstd, weight, groups, mask)
+                grads = channels.backward(dy, x, mean, rstd, weight,
+                                          channels.Pool("group", groups), mask)
         return (*grads, None, None, None, None)
-
-
-def _last_channel_rows(x: Tensor) -> Tensor:
-    """``(N, L, C)``: channels innermost (a view of channels-last input)."""
-    return x.movedim(1, -1).reshape(x.shape[0], -1, x.shape[1])
-
-
-def _per_channel(t: Tensor, c: int) -> Tensor:
-    """``(N, G)`` group values repeated for each of the group's channels: ``(N, C)``."""
-    return t.repeat_interleave(c // t.shape[1], 1)
-
-
-def _channels_last_group_moments(x: Tensor, groups: int, eps: float
-                                 ) -> tuple[Tensor, Tensor] | None:
-    """``(N, G)`` mean and rstd of channels-last input from per-channel sums, or ``None``.
-
-    The sums of ``x`` and ``x^2`` over the positions are reductions over an outer
-    dimension (vectorized across channels, no copy of ``x``); ``E[x^2] - E[x]^2`` is
-    kept under the ``|mean| / std <= 2`` rule of :func:`_row_moments`.
-    """
-    n, c = x.shape[:2]
-    rows = _last_channel_rows(x)  # (N, L, C)
-    count = rows.shape[1] * (c // groups)
-    mean = rows.sum(1).view(n, groups, -1).sum(2).div_(count)
-    mean_sq = (rows * rows).sum(1).view(n, groups, -1).sum(2).div_(count)
-    var = mean_sq.sub_(mean * mean).clamp_(min=0)
-    rstd = torch.rsqrt(var + eps)
-    if not native.well_conditioned(mean, rstd, _ROW_MOMENTS_RATIO):
-        return None
-    return mean, rstd
-
-
-def _group_affine(x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,
-                  bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(scale, shift)`` of shape ``(N, C, 1, ...)`` with ``y = x * scale + shift``."""
-    n, c = x.shape[:2]
-    scale = _per_channel(rstd, c)
-    if weight is not None:
-        scale = scale * weight
-    shift = -_per_channel(mean, c) * scale
-    if bias is not None:
-        shift = shift + bias
-    view = (n, c) + (1,) * (x.dim() - 2)
-    return scale.view(view), shift.view(view)
-
-
-def _channels_last_group_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
-                                  weight: Tensor | None, groups: int, mask: list[bool]):
-    r"""GroupNorm's backward from per-channel sums (the channels-last path).
-
-    With ``S1 = sum dy`` and ``Sx = sum dy (x - mean)`` over the positions of each
-    ``(n, c)``: ``dbias = sum_n S1``, ``dweight = sum_n rstd Sx``, and
-    ``dx = rstd gamma dy - rstd A - rstd^2 B (x - mean)`` with the group means
-    ``A = mean_g(gamma S1)`` and ``B = mean_g(gamma rstd Sx)``, applied as
-    ``dx = k1 dy + k2 x + k3``.
-    """
-    n, c = x.shape[:2]
-    rows_dy, rows_x = _last_channel_rows(dy), _last_channel_rows(x)  # (N, L, C)
-    count = rows_x.shape[1] * (c // groups)
-    s1 = rows_dy.sum(1)  # (N, C)
-    mu, rho = _per_channel(mean, c), _per_channel(rstd, c)
-    sx = (rows_dy * rows_x).sum(1).sub_(mu * s1)  # (N, C): sum dy (x - mean)
-    dx = dw = db = None
-    if mask[1]:
-        dw = (rho * sx).sum(0)
-    if mask[2]:
-        db = s1.sum(0)
-    if mask[0]:
-        gamma = torch.ones(c, dtype=rho.dtype, device=rho.device) if weight is None else weight
-        a = _per_channel((gamma * s1).view(n, groups, -1).sum(2).div_(count), c)
-        b = _per_channel((gamma * rho * sx).view(n, groups, -1).sum(2).div_(count), c)
-        view = (n, c) + (1,) * (x.dim() - 2)
-        k1, k2 = (rho * gamma).view(view), (-rho * rho * b).view(view)
-        k3 = (rho * (rho * b * mu - a)).view(view)
-        dx = torch.addcmul(k3, dy, k1).addcmul_(x, k2)
-    return dx, dw, db
 
 
 def _grouped(x: Tensor, groups: int) -> Tensor:
