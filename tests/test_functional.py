@@ -133,3 +133,34 @@ def test_rejected_fast_path_does_not_double_count_running_stats():
     torch.testing.assert_close(nk.running_mean, tm.running_mean)
     torch.testing.assert_close(nk.running_var, tm.running_var, rtol=1e-3, atol=1e-7)
     assert int(nk.num_batches_tracked) == 1
+
+
+def test_layer_norm2d_nchw_fast_path(monkeypatch):
+    """NCHW LayerNorm2d runs torch's BatchNorm kernel per sample (kernels.native) on
+    well-conditioned data, equals the float64 reference, refuses an offset past the
+    kernel's bound, and supports double backward."""
+    from oracle import assert_close, assert_grad_close
+
+    from normkit.kernels import native
+
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 6, 5, 7, generator=gen, requires_grad=True)
+    w = torch.randn(6, generator=gen, requires_grad=True)
+    b = torch.randn(6, generator=gen, requires_grad=True)
+    y = F.layer_norm2d(x, w, b)
+    assert "ColumnNorm" in _path(y), _path(y)
+    assert y.is_contiguous()
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = torch.nn.functional.layer_norm(leaves[0].permute(0, 2, 3, 1), (6,), leaves[1],
+                                         leaves[2]).permute(0, 3, 1, 2)
+    ref.backward(dy.double())
+    assert_close(y, ref, torch.float32)
+    for got, want in zip((x.grad, w.grad, b.grad), leaves, strict=True):
+        assert_grad_close(got, want.grad, torch.float32)
+    assert "ColumnNorm" not in _path(F.layer_norm2d(x + 100.0, w, b))
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    assert "ColumnNorm" in _path(F.layer_norm2d(x64, w64, b64))
+    torch.autograd.gradgradcheck(lambda *a: F.layer_norm2d(*a), (x64, w64, b64))

@@ -430,6 +430,12 @@ def layer_norm2d(
             y = native.layer_norm(last, (input.shape[1],), weight, bias, eps)
             if y is not None:
                 return y.movedim(-1, 1)
+        elif input.is_contiguous():
+            # NCHW: torch's BatchNorm kernel per sample, no transposing copies
+            y = native.layer_norm2d_nchw(input, weight, bias, eps,
+                                         _reference((1,), (1, input.shape[1], 1), eps))
+            if y is not None:
+                return y
     return normalize(input, (1,), w, b, eps, backend=backend)[0]
 
 

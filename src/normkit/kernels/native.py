@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+_ATEN = torch.ops.aten
+
 __all__ = ["THRESHOLDS", "well_conditioned", "layer_norm", "batch_norm_train",
            "batch_norm_eval", "group_norm"]
 
@@ -157,3 +159,95 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
     hxw = x[0, 0].numel() if x.dim() > 2 else 1
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hxw, num_groups, eps)
     return y if well_conditioned(mean, rstd, THRESHOLDS["group_norm"]) else None
+
+
+# ------------------------------------------------------------------ LayerNorm2d on NCHW
+
+#: Fewest elements for which :func:`layer_norm2d_nchw` pays off (it loops over the batch).
+LAYER_NORM2D_MIN_ELEMENTS = 1 << 16
+
+
+class _ColumnNormFunction(torch.autograd.Function):
+    """Per-channel affine of a normalized ``(N, C, L)`` tensor; backward by torch's
+    BatchNorm backward kernel for each sample (see :func:`layer_norm2d_nchw`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized, mean, invstd, eps, reference):
+        y = normalized[0]  # (passed in a tuple: a fresh tensor, not an input of the node)
+        if weight is not None:
+            y.mul_(weight.view(1, -1, 1))
+        if bias is not None:
+            y.add_(bias.view(1, -1, 1))
+        ctx.eps, ctx.reference = eps, reference
+        ctx.save_for_backward(x, weight, bias, mean, invstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, invstd = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+            wanted = [t for t, need in zip((x, weight, bias), (need_x, need_w, need_b),
+                                           strict=True) if need]
+            with torch.enable_grad():
+                y = ctx.reference(x, weight, bias)
+                grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True,
+                                                 allow_unused=True))
+            return (*(next(grads) if need else None for need in (need_x, need_w, need_b)),
+                    None, None, None, None, None)
+        g = dy.contiguous()
+        dx = dw = db = None
+        if need_w:
+            xhat = torch.addcmul(-mean * invstd, x, invstd)  # (N, 1, L) statistics
+            dw = xhat.mul_(g).sum((0, 2))
+        if need_b:
+            db = g.sum((0, 2))
+        if need_x:
+            gx = g * weight.view(1, -1, 1) if weight is not None else g
+            dx = torch.empty_like(x)
+            for i in range(x.shape[0]):  # (the out= variant rejects the unused outputs)
+                dx[i] = _ATEN.native_batch_norm_backward(
+                    gx[i], x[i], None, None, None, mean[i, 0], invstd[i, 0], True, ctx.eps,
+                    [True, False, False])[0]
+        return dx, dw, db, None, None, None, None, None
+
+
+def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                      reference) -> Tensor | None:
+    """LayerNorm over the channels of contiguous ``(N, C, *)`` input, else ``None``.
+
+    For each sample the ``(C, L)`` matrix (``L`` positions) is normalized over its rows:
+    that is training-mode BatchNorm of a 2D ``(batch=C, channels=L)`` input, which
+    torch's kernel vectorizes across ``L``. So the statistics and the normalized input
+    come from one BatchNorm call per sample (written into one output, no copies), the
+    affine is one in-place pass, and the backward is torch's BatchNorm backward per
+    sample. The permute + LayerNorm + permute alternative pays two transposing copies.
+    Kept under the ``|mean| / std <= 4`` rule of torch's channels-last BatchNorm kernel
+    (the same kernel; see the table above); ``reference(x, weight, bias)`` serves double
+    backward.
+
+    Example:
+        >>> x = torch.randn(8, 16, 32, 32)
+        >>> ref = torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (16,))
+        >>> y = layer_norm2d_nchw(x, None, None, 1e-5, None)
+        >>> torch.allclose(y, ref.permute(0, 3, 1, 2), atol=1e-5)
+        True
+    """
+    if (not _plain_dense(x) or x.dim() < 3 or x.numel() < LAYER_NORM2D_MIN_ELEMENTS
+            or x.dtype not in (torch.float32, torch.float64)
+            or any(p is not None and p.dtype != x.dtype for p in (weight, bias))):
+        return None
+    n, c = x.shape[:2]
+    v = x.detach().view(n, c, -1)
+    xhat = torch.empty_like(v)
+    mean = v.new_empty(n, 1, v.shape[2])
+    invstd = torch.empty_like(mean)
+    for i in range(n):
+        _ATEN.native_batch_norm.out(v[i], None, None, None, None, True, 0.0, eps,
+                                    out=xhat[i], save_mean=mean[i, 0],
+                                    save_invstd=invstd[i, 0])
+    if not well_conditioned(mean, invstd, THRESHOLDS["batch_norm_channels_last"]):
+        return None
+    y = _ColumnNormFunction.apply(x.view(n, c, -1), weight, bias, (xhat,), mean, invstd, eps,
+                                  reference)
+    return y.view(x.shape)
