@@ -511,32 +511,24 @@ def group_norm(
 
 def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
                               bias: Tensor | None, eps: float) -> Tensor | None:
-    """GroupNorm of channels-last input: torch's forward kernel, normkit's backward.
-
-    torch's channels-last forward is fast but takes ``E[x^2] - E[x]^2`` of unshifted
-    sums, so it is kept under the same ``|mean| / std`` rule as normkit's own sums
-    (:mod:`normkit.kernels.channels`); its backward kernel is 3-4x slower than the
-    per-(n, c) sums backward used instead.
-    """
+    """GroupNorm of channels-last input: torch's forward kernel, normkit's backward
+    (:func:`normkit.kernels.channels.native_group_norm`), else ``None``."""
     if not channels.supports(x, weight, bias):
         return None
-    n, c = x.shape[:2]
-    with torch.no_grad():
-        y, mean, rstd = torch.native_group_norm(x.detach(), weight, bias, n, c,
-                                                x[0, 0].numel(), groups, eps)
-    per_channel = c // groups
-    mean = mean.view(n, groups).repeat_interleave(per_channel, 1)
-    rstd = rstd.view(n, groups).repeat_interleave(per_channel, 1)
-    pview = (1, groups, per_channel) + (1,) * (x.dim() - 2)
+    stats = channels.native_group_norm(x, groups, weight, bias, eps)
+    if stats is None:
+        return None
+    per_group = x.shape[1] // groups
+    pview = (1, groups, per_group) + (1,) * (x.dim() - 2)
 
     def reference(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-        grouped = x.unflatten(1, (groups, per_channel))
+        grouped = x.unflatten(1, (groups, per_group))
         dims = tuple(range(2, grouped.dim()))
         return reference_normalize(grouped, dims, affine_view(weight, pview),
                                    affine_view(bias, pview), eps)[0].flatten(1, 2)
 
     fast = channels.normalize(x, weight, bias, channels.Pool("group", groups), eps,
-                              reference, precomputed=(y, mean, rstd))
+                              reference, precomputed=stats)
     return None if fast is None else fast[0]
 
 
