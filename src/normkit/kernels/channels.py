@@ -16,8 +16,9 @@ no temporary), the backward sums come from torch's BatchNorm backward kernel run
 ``(1, N*C, L)`` view (each slice a "channel", reductions only), and every per-slice
 affine pass is torch's inference BatchNorm kernel on that view. torch's own NCHW
 BatchNorm and InstanceNorm kernels are 2-3x slower (statistics per channel across the
-batch, accumulated in double). Channels-last input: the sums are outer reductions,
-vectorized across the channels, on the tensor as it is.
+batch, accumulated in double). Channels-last input: the forward sums are outer
+reductions, vectorized across the channels, on the tensor as it is; the backward sums
+come from the same BatchNorm backward kernel run on each sample's ``(L, C)`` matrix.
 
 Accuracy: ``var = E[x^2] - E[x]^2`` loses a factor ``1 + r^2`` (``r = |mean| / std`` of a
 pooled group) of the sums' relative error (~1e-7), so a result is kept only when every
@@ -210,10 +211,15 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]
             dy.contiguous().view(1, n * c, -1), x.view(1, n * c, -1), unit, None, None,
             _per_slice(mean, n), unit, True, 0.0, [False, True, True])
         return s1.view(n, c), sx.view(n, c)
+    # channels-last: the same kernel per sample on the (L, C) matrix, whose channels are
+    # the columns (2x faster than a product and two column sums, and no temporary)
     cols_dy, cols_x = _columns(dy), _columns(x)  # (N, L, C)
-    s1 = cols_dy.sum(1)
-    sx = (cols_dy * cols_x).sum(1).sub_(mean * s1)
-    return s1, sx
+    unit = torch.ones(c, dtype=x.dtype, device=x.device)
+    means = mean.expand(n, c)
+    sums = [_ATEN.native_batch_norm_backward(cols_dy[i], cols_x[i], unit, None, None,
+                                             means[i], unit, True, 0.0, [False, True, True])
+            for i in range(n)]
+    return torch.stack([s[2] for s in sums]), torch.stack([s[1] for s in sums])
 
 
 def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,
