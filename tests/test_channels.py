@@ -20,6 +20,7 @@ from normkit.kernels import channels
 def small_inputs_take_the_engine(monkeypatch):
     """The engine's size floor is a speed rule; these tests exercise it on small inputs."""
     monkeypatch.setattr(channels, "MIN_ELEMENTS", 0)
+    monkeypatch.setattr(channels, "GROUP_NORM_MIN_POSITIONS", 0)
 
 
 CASES = {
@@ -175,3 +176,15 @@ def test_engine_output_can_be_modified_in_place():
             torch.nn.Sequential(cls(6, affine=True), relu)(x_).sum().backward()
             grads.append(x_.grad)
         torch.testing.assert_close(grads[0], grads[1], atol=2e-5, rtol=2e-5)
+
+
+def test_small_channels_last_group_norm_keeps_torchs_kernels_under_the_bound(monkeypatch):
+    """Below GROUP_NORM_MIN_POSITIONS torch's channels-last kernels serve both passes,
+    under the engine's |mean| / std rule (their forward has the same sums)."""
+    monkeypatch.setattr(channels, "GROUP_NORM_MIN_POSITIONS", 1 << 30)
+    module, twin, x, y, x64, ref = _run("gn-cl", 0.85 * channels.RATIO * 1.5, torch.float32)
+    assert "NativeGroupNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    assert_close(y, ref, torch.float32)
+    assert_grad_close(x.grad, x64.grad, torch.float32, "input grad")
+    y = module(_input("gn-cl", 3.0 * channels.RATIO * 1.5))
+    assert "NativeGroupNorm" not in type(y.grad_fn).__name__

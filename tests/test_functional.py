@@ -102,13 +102,15 @@ def test_backend_is_read_at_call_time():
     (lambda: normkit.BatchNorm2d(4), (8, 4, 3, 3), "contiguous", "NativeBatchNorm"),
     (lambda: normkit.BatchNorm2d(4), (8, 4, 5, 5), "channels_last", "NativeBatchNorm"),
     (lambda: normkit.GroupNorm(2, 4), (8, 4, 5, 5), "contiguous", "NativeGroupNorm"),
-    (lambda: normkit.GroupNorm(2, 4), (8, 4, 5, 5), "channels_last", "SliceNorm"),
+    (lambda: normkit.GroupNorm(2, 4), (8, 4, 5, 5), "channels_last", "NativeGroupNorm"),
+    (lambda: normkit.GroupNorm(2, 4), (8, 4, 24, 24), "channels_last", "SliceNorm"),
     (lambda: normkit.InstanceNorm2d(4), (8, 4, 5, 5), "contiguous", "SliceNorm"),
     (lambda: normkit.InstanceNorm2d(4), (8, 4, 5, 5), "channels_last", "SliceNorm"),
     (lambda: normkit.LayerNorm2d(4), (8, 4, 5, 5), "channels_last", "NativeLayerNorm"),
     (lambda: normkit.LayerNorm2d(4), (8, 4, 5, 5), "contiguous", None),
     (lambda: normkit.LayerNorm(5), (8, 4, 5, 5), "contiguous", "NativeLayerNorm"),
-], ids=["bn", "bn-small", "bn-cl", "gn", "gn-cl", "in", "in-cl", "ln2d-cl", "ln2d", "ln"])
+], ids=["bn", "bn-small", "bn-cl", "gn", "gn-cl", "gn-cl-large", "in", "in-cl", "ln2d-cl",
+        "ln2d", "ln"])
 def test_auto_uses_torchs_kernel_only_where_it_is_accurate(make, shape, layout, fast,
                                                            monkeypatch):
     """Every fast path is taken on well-conditioned data and refused at an offset."""

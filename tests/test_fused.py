@@ -402,11 +402,20 @@ def test_inplace_abn_saves_at_most_0_6_of_the_standard_memory():
 # --------------------------------------------------------------------------- GroupNorm + act
 
 
+@pytest.mark.parametrize("engine", [False, True], ids=["torch-bwd", "slice-bwd"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-def test_group_norm_act_matches_reference(dtype, layout, act, affine):
+def test_group_norm_act_matches_reference(dtype, layout, act, affine, engine, monkeypatch):
+    # channels-last: torch's backward kernel below GROUP_NORM_MIN_POSITIONS positions,
+    # normkit's slice-sums backward from there up (both compared with the reference)
+    from normkit.kernels import channels
+
+    if engine:
+        if layout != "channels_last":
+            pytest.skip("the slice-sums backward serves channels-last input")
+        monkeypatch.setattr(channels, "GROUP_NORM_MIN_POSITIONS", 0)
     x0 = make_input((3, 6, 4, 5), dtype, layout, seed=10, scale=2.0, offset=0.5)
     w, b = params(6, dtype, affine)
     x = x0.clone().requires_grad_()

@@ -511,10 +511,17 @@ def group_norm(
 
 def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
                               bias: Tensor | None, eps: float) -> Tensor | None:
-    """GroupNorm of channels-last input: torch's forward kernel, normkit's backward
-    (:func:`normkit.kernels.channels.native_group_norm`), else ``None``."""
+    """GroupNorm of channels-last input: torch's forward kernel and, from
+    :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS` positions per slice,
+    normkit's backward (:func:`normkit.kernels.channels.native_group_norm`); torch's
+    kernels both ways below that; ``None`` when the data are ill-conditioned."""
     if not channels.supports(x, weight, bias):
         return None
+    if x[0, 0].numel() < channels.GROUP_NORM_MIN_POSITIONS:
+        n, c = x.shape[:2]
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(),
+                                                groups, eps)
+        return y if native.well_conditioned(mean, rstd, channels.RATIO) else None
     stats = channels.native_group_norm(x, groups, weight, bias, eps)
     if stats is None:
         return None

@@ -988,8 +988,9 @@ class _GroupNormActFunction(torch.autograd.Function):
 
     * contiguous input: torch's fused kernels, forward and backward, where accurate;
     * channels-last input: torch's forward kernel under the ``r <= 2`` rule of
-      :mod:`normkit.kernels.channels`, and that engine's backward from per-(sample,
-      channel) sums (as :func:`normkit.functional.group_norm` does);
+      :mod:`normkit.kernels.channels`, and from ``GROUP_NORM_MIN_POSITIONS`` positions
+      up that engine's backward from per-(sample, channel) sums (torch's backward kernel
+      below), as :func:`normkit.functional.group_norm` does;
     * otherwise (ill-conditioned, 16-bit, mixed dtypes): normkit's compensated core,
       recomputed in backward.
 
@@ -1004,16 +1005,19 @@ class _GroupNormActFunction(torch.autograd.Function):
         fast = use_native and x.dtype in _WIDE and _same_dtype(x, weight, bias)
         y = mean = rstd = None
         path = "robust"
-        if fast and layout is not None:
+        if (fast and layout is not None
+                and x[0, 0].numel() >= channels.GROUP_NORM_MIN_POSITIONS):
             stats = channels.native_group_norm(x, groups, weight, bias, eps)
             if stats is not None:
                 y, mean, rstd = stats
                 path = "channels_last"
-        elif fast:
-            y, mean, rstd = torch.native_group_norm(x.contiguous(), weight, bias, n, c,
-                                                    x.numel() // (n * c), groups, eps)
+        elif fast:  # torch's kernels both ways, in x's layout
+            y, mean, rstd = torch.native_group_norm(x if layout else x.contiguous(), weight,
+                                                    bias, n, c, x.numel() // (n * c), groups,
+                                                    eps)
             path = "native"
-            if not native.well_conditioned(mean, rstd, native.THRESHOLDS["group_norm"]):
+            bound = channels.RATIO if layout else native.THRESHOLDS["group_norm"]
+            if not native.well_conditioned(mean, rstd, bound):
                 y = mean = rstd = None
                 path = "robust"
         if y is None:  # compensated statistics (normkit's core), recomputed in backward
@@ -1051,8 +1055,10 @@ class _GroupNormActFunction(torch.autograd.Function):
         else:
             dy = act.backward(dz, z, y)
             if ctx.path == "native":
+                layout = F._channels_last_format(x)
                 grads = _ATEN.native_group_norm_backward(
-                    dy.contiguous(), x.contiguous(), mean, rstd, weight, n, c,
+                    dy.contiguous(memory_format=layout or torch.contiguous_format),
+                    x if layout else x.contiguous(), mean, rstd, weight, n, c,
                     x.numel() // (n * c), groups, mask)
             else:
                 grads = channels.backward(dy, x, mean, rstd, weight,
