@@ -18,46 +18,69 @@ from torch import nn
 
 import normkit
 
-SHAPE = (16, 32, 14, 14)
-OFFSETS = (0.0, 1e4, 1e5)
+#: A small input (torch's kernels under normkit's accuracy check) and one of 2^20 elements
+#: (the slice-sums engine of normkit.kernels.channels and the LayerNorm2d NCHW path).
+SHAPES = ((16, 32, 14, 14), (32, 32, 32, 32))
+#: 1.5 sits under the slice-sums engine's |mean| / std <= 2 bound; 1e4 and 1e5 far past
+#: every fast path's bound (normkit's compensated path).
+OFFSETS = (0.0, 1.5, 1e4, 1e5)
 
 
-def _families():
+class _PermutedLayerNorm(nn.Module):
+    """torch's way to LayerNorm the channels of NCHW input (timm, ConvNeXt)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(channels)
+
+    def forward(self, x):
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def _families(c: int, last: int):
     return [
-        ("BatchNorm2d", lambda: (normkit.BatchNorm2d(32), nn.BatchNorm2d(32)), False),
+        ("BatchNorm2d", lambda: (normkit.BatchNorm2d(c), nn.BatchNorm2d(c)), False),
         ("BatchNorm2d (channels_last)",
-         lambda: (normkit.BatchNorm2d(32), nn.BatchNorm2d(32)), True),
-        ("LayerNorm (last dim)", lambda: (normkit.LayerNorm(14), nn.LayerNorm(14)), False),
-        ("GroupNorm (8 groups)", lambda: (normkit.GroupNorm(8, 32), nn.GroupNorm(8, 32)), False),
-        ("InstanceNorm2d", lambda: (normkit.InstanceNorm2d(32), nn.InstanceNorm2d(32)), False),
+         lambda: (normkit.BatchNorm2d(c), nn.BatchNorm2d(c)), True),
+        ("LayerNorm (last dim)", lambda: (normkit.LayerNorm(last), nn.LayerNorm(last)), False),
+        ("RMSNorm (last dim)", lambda: (normkit.RMSNorm(last), nn.RMSNorm(last)), False),
+        ("LayerNorm2d", lambda: (normkit.LayerNorm2d(c), _PermutedLayerNorm(c)), False),
+        ("GroupNorm (8 groups)", lambda: (normkit.GroupNorm(8, c), nn.GroupNorm(8, c)), False),
+        ("GroupNorm (8 groups, channels_last)",
+         lambda: (normkit.GroupNorm(8, c), nn.GroupNorm(8, c)), True),
+        ("InstanceNorm2d", lambda: (normkit.InstanceNorm2d(c), nn.InstanceNorm2d(c)), False),
+        ("InstanceNorm2d (channels_last)",
+         lambda: (normkit.InstanceNorm2d(c), nn.InstanceNorm2d(c)), True),
     ]
 
 
 def measure(seed: int = 0) -> list[dict]:
-    """Max |output - float64 reference| per family and offset, for normkit and torch."""
+    """Max |output - float64 reference| per shape, family and offset, normkit and torch."""
     rows = []
     gen = torch.Generator().manual_seed(seed)
-    for name, make, channels_last in _families():
-        for offset in OFFSETS:
-            x = (torch.randn(SHAPE, generator=gen, dtype=torch.float64) + offset).float()
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
-            ours, theirs = make()
-            reference = make()[1].double()
-            with torch.no_grad():
-                exact = reference(x.double())
-                err_ours = float((ours(x).double() - exact).abs().max())
-                err_torch = float((theirs(x).double() - exact).abs().max())
-            rows.append({"layer": name, "offset": offset, "normkit": err_ours,
-                         "torch": err_torch})
+    for shape in SHAPES:
+        for name, make, channels_last in _families(shape[1], shape[-1]):
+            for offset in OFFSETS:
+                x = (torch.randn(shape, generator=gen, dtype=torch.float64) + offset).float()
+                if channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                ours, theirs = make()
+                reference = make()[1].double()
+                with torch.no_grad():
+                    exact = reference(x.double())
+                    err_ours = float((ours(x).double() - exact).abs().max())
+                    err_torch = float((theirs(x).double() - exact).abs().max())
+                rows.append({"shape": "x".join(map(str, shape)), "layer": name,
+                             "offset": offset, "normkit": err_ours, "torch": err_torch})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| layer | offset | normkit max error | torch.nn max error |",
-             "|---|---:|---:|---:|"]
+    lines = ["| shape | layer | offset | normkit max error | torch.nn max error |",
+             "|---|---|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['layer']} | {r['offset']:g} | {r['normkit']:.1e} | {r['torch']:.1e} |")
+        lines.append(f"| {r['shape']} | {r['layer']} | {r['offset']:g} | {r['normkit']:.1e} "
+                     f"| {r['torch']:.1e} |")
     return "\n".join(lines)
 
 
@@ -68,8 +91,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = measure(args.seed)
-    print(f"torch {torch.__version__}, float32 input of shape {SHAPE}, std 1, "
-          "error vs float64 on the same input\n")
+    print(f"torch {torch.__version__}, float32 input, std 1, error vs float64 on the same "
+          "input\n")
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:

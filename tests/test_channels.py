@@ -188,3 +188,28 @@ def test_small_channels_last_group_norm_keeps_torchs_kernels_under_the_bound(mon
     assert_grad_close(x.grad, x64.grad, torch.float32, "input grad")
     y = module(_input("gn-cl", 3.0 * channels.RATIO * 1.5))
     assert "NativeGroupNorm" not in type(y.grad_fn).__name__
+
+
+def test_large_channels_last_and_2d_batch_norm_avoid_torchs_sequential_sums():
+    """torch's channels-last (and 2D) BatchNorm statistics lose precision with the count
+    per channel (3e-5 at 131072 values for centered data); normkit keeps them only up to
+    CHANNELS_LAST_MAX_COUNT values and takes the slice-sums engine (4D) or its
+    compensated path (2D) beyond."""
+    from normkit.kernels import native
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, 64, 64, generator=gen, dtype=torch.float64)  # 131072 per channel
+    cl = x.float().contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = normkit.BatchNorm2d(4)(cl)
+    assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    ref = torch.nn.functional.batch_norm(x, None, None, training=True)
+    assert float((y.detach().double() - ref).abs().max()) < 2e-6
+    small = cl.detach()[:, :, :8, :8].contiguous(memory_format=torch.channels_last)
+    assert small.numel() // 4 <= native.CHANNELS_LAST_MAX_COUNT
+    assert "Native" in type(normkit.BatchNorm2d(4)(small.requires_grad_()).grad_fn).__name__
+    rows = torch.randn(131072, 4, generator=gen, dtype=torch.float64)
+    y2 = normkit.BatchNorm1d(4)(rows.float().requires_grad_())
+    assert "Native" not in type(y2.grad_fn).__name__
+    ref2 = torch.nn.functional.batch_norm(rows, None, None, training=True)
+    assert float((y2.detach().double() - ref2).abs().max()) < 2e-6

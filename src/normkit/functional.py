@@ -197,8 +197,10 @@ def batch_norm(
         y, mean, var = tk.batch_norm_train(input, weight, bias, eps)
     else:
         fast = None
-        if backend == "auto" and not compiling() and input.is_contiguous():
-            # NCHW: per-(n, c) row sums, 2-3x faster than torch's kernel (kernels.channels)
+        if backend == "auto" and not compiling() and channels.serves_batch_norm(input):
+            # NCHW: per-(n, c) row sums, 2-3x faster than torch's kernel; channels-last
+            # with many values per channel: column sums, where torch's kernel loses
+            # precision (kernels.channels)
             fast = channels.normalize(input, weight, bias, channels.Pool("batch"), eps,
                                       _reference(dims, view, eps))
         if fast is not None:
@@ -511,10 +513,9 @@ def group_norm(
 
 def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
                               bias: Tensor | None, eps: float) -> Tensor | None:
-    """GroupNorm of channels-last input: torch's forward kernel and, from
-    :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS` positions per slice,
-    normkit's backward (:func:`normkit.kernels.channels.native_group_norm`); torch's
-    kernels both ways below that; ``None`` when the data are ill-conditioned."""
+    """GroupNorm of channels-last input without copies: torch's kernels both ways below
+    :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS` positions, the slice-sums
+    engine from there up (see there why); ``None`` when the data are ill-conditioned."""
     if not channels.supports(x, weight, bias):
         return None
     if x[0, 0].numel() < channels.GROUP_NORM_MIN_POSITIONS:
@@ -522,9 +523,6 @@ def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
         y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(),
                                                 groups, eps)
         return y if native.well_conditioned(mean, rstd, channels.RATIO) else None
-    stats = channels.native_group_norm(x, groups, weight, bias, eps)
-    if stats is None:
-        return None
     per_group = x.shape[1] // groups
     pview = (1, groups, per_group) + (1,) * (x.dim() - 2)
 
@@ -534,8 +532,7 @@ def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
         return reference_normalize(grouped, dims, affine_view(weight, pview),
                                    affine_view(bias, pview), eps)[0].flatten(1, 2)
 
-    fast = channels.normalize(x, weight, bias, channels.Pool("group", groups), eps,
-                              reference, precomputed=stats)
+    fast = channels.normalize(x, weight, bias, channels.Pool("group", groups), eps, reference)
     return None if fast is None else fast[0]
 
 

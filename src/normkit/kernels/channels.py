@@ -21,12 +21,16 @@ reductions, vectorized across the channels, on the tensor as it is; the backward
 come from the same BatchNorm backward kernel run on each sample's ``(L, C)`` matrix.
 
 Accuracy: ``var = E[x^2] - E[x]^2`` loses a factor ``1 + r^2`` (``r = |mean| / std`` of a
-pooled group) of the sums' relative error (~1e-7), so a result is kept only when every
-group has ``r <= RATIO`` (measured error <= 1e-6, like torch's kernels; a larger true
-``r`` cannot pass the check, since the computed variance is at most the true one plus
-``1e-6 * mean^2``); otherwise the caller takes normkit's compensated path. The folded
-affine ``x * a + b`` (``b = beta - mean * a``) costs one more rounding of relative size
-``r * 1e-7``, negligible under the same bound.
+pooled group) of the sums' relative error (2-5 ulps for torch's cascaded row sums), so
+a result is kept only when every group has ``r <= RATIO``; otherwise the caller takes
+another path (torch's kernel where accurate, else normkit's compensated one). A larger
+true ``r`` cannot pass the check: the computed variance is at most the true one plus
+``1e-6 * mean^2``. The folded affine ``x * a + b`` (``b = beta - mean * a``) costs one more
+rounding of relative size ``r * 6e-8``. Measured max error vs float64 (float32,
+``benchmarks/ACCURACY.md``): 6e-7 to 1e-6 for centered data and up to 5.6e-6 at
+``r = 1.5`` (InstanceNorm of 128 x 128 slices), against 4e-7 to 5e-7 for torch's NCHW
+kernels and normkit's compensated path -- and 3e-5 for torch's own channels-last
+BatchNorm at 131072 values per channel, which this engine replaces there.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .native import well_conditioned
+from .native import CHANNELS_LAST_MAX_COUNT, well_conditioned
 
 __all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "supports", "moments", "affine",
-           "backward", "GROUP_NORM_MIN_POSITIONS", "native_group_norm", "normalize"]
+           "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "serves_batch_norm"]
 
 #: Largest pooled ``|mean| / std`` for which ``E[x^2] - E[x]^2`` from float32 sums is kept.
 RATIO = 2.0
@@ -98,6 +102,22 @@ def _channels_last(x: Tensor) -> bool:
         return False
     return ((x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
             or (x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)))
+
+
+def serves_batch_norm(x: Tensor) -> bool:
+    """Whether training-mode BatchNorm of ``x`` should take this engine: contiguous input,
+    and channels-last input with more values per channel than torch's channels-last
+    kernel handles accurately (:data:`normkit.kernels.native.CHANNELS_LAST_MAX_COUNT`).
+
+    Example:
+        >>> serves_batch_norm(torch.randn(32, 16, 32, 32))
+        True
+        >>> serves_batch_norm(torch.randn(32, 16, 8, 8).to(memory_format=torch.channels_last))
+        False
+    """
+    if x.is_contiguous():
+        return True
+    return _channels_last(x) and x.numel() // max(x.shape[1], 1) > CHANNELS_LAST_MAX_COUNT
 
 
 def supports(x: Tensor, *params: Tensor | None) -> bool:
@@ -168,6 +188,11 @@ def _per_slice(t: Tensor, n: int) -> Tensor:
 def _slice_affine(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     """``x * scale + shift`` with per-slice ``(1|N, C)`` scale and shift, in x's layout."""
     n, c = x.shape[:2]
+    if scale.shape[0] == 1 and shift.shape[0] == 1 and not x.is_contiguous():
+        # per channel on channels-last: torch's inference BatchNorm kernel on x itself
+        unit = torch.ones(c, dtype=x.dtype, device=x.device)
+        return torch.native_batch_norm(x, scale.reshape(c), shift.reshape(c),
+                                       torch.zeros_like(unit), unit, False, 0.0, 0.0)[0]
     if x.is_contiguous():
         # torch's inference BatchNorm kernel on the (1, N*C, L) view: one pass, and
         # faster than a broadcast addcmul (running_var = 1 and eps = 0 make it exact)
@@ -266,52 +291,24 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
     return dx, dw, db
 
 
-#: Fewest positions per slice for which :func:`backward` beats torch's channels-last
-#: GroupNorm backward kernel (fwd+bwd, 1 thread: 0.58x at 7x7, 0.89x at 14x14, 1.3x at
-#: 28x28, 2x at 64x64, 3.3x at 128x128); below it torch's kernels serve both passes.
+#: Fewest positions per slice from which channels-last GroupNorm takes this engine.
+#: Below it torch's channels-last kernels serve both passes (under :data:`RATIO`): their
+#: backward is faster there (this engine's fwd+bwd, 1 thread: 0.58x torch at 7x7, 0.89x
+#: at 14x14, 1.3x at 28x28, 2x at 64x64, 3.3x at 128x128), and their forward, which sums
+#: sequentially along the positions, is still accurate (max error 2.8e-6 at 14x14 and
+#: ratio 1.5, but 2.5e-5 at 56x56 and 6.3e-5 at 128x128).
 GROUP_NORM_MIN_POSITIONS = 512
-
-
-def native_group_norm(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
-                      eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
-    """torch's GroupNorm forward kernel, kept under this engine's rule: ``(y, mean, rstd)``
-    with the statistics per slice (``(N, C)``), or ``None``.
-
-    On channels-last input torch's forward kernel is faster than :func:`moments` plus
-    :func:`affine` (it reads the input once per pass with the channels innermost) and,
-    taking ``E[x^2] - E[x]^2`` of unshifted sums, exactly as accurate, so it is kept under
-    the same ``|mean| / std <= RATIO`` rule; its backward kernel is slower than
-    :func:`backward` from :data:`GROUP_NORM_MIN_POSITIONS` positions per slice up. Runs
-    without autograd.
-
-    Example:
-        >>> x = torch.randn(2, 4, 8, 8).contiguous(memory_format=torch.channels_last)
-        >>> y, mean, rstd = native_group_norm(x, 2, None, None, 1e-5)
-        >>> mean.shape, y.is_contiguous(memory_format=torch.channels_last)
-        (torch.Size([2, 4]), True)
-    """
-    n, c = x.shape[:2]
-    with torch.no_grad():
-        y, mean, rstd = torch.native_group_norm(x.detach(), weight, bias, n, c,
-                                                x[0, 0].numel(), groups, eps)
-    if not well_conditioned(mean, rstd, RATIO):
-        return None
-    per_group = c // groups
-    return (y, mean.view(n, groups).repeat_interleave(per_group, 1),
-            rstd.view(n, groups).repeat_interleave(per_group, 1))
 
 
 class _SliceNormFunction(torch.autograd.Function):
     """:func:`affine` with fixed pooled statistics; backward by :func:`backward`.
 
-    ``precomputed`` may hold the output already computed by a torch kernel (GroupNorm on
-    channels-last, whose forward kernel is faster than the per-slice affine). Double
-    backward differentiates ``reference``.
+    Double backward differentiates ``reference``.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, rstd, pool, reference, precomputed):
-        y = precomputed[0] if precomputed else affine(x, mean, rstd, weight, bias)
+    def forward(ctx, x, weight, bias, mean, rstd, pool, reference):
+        y = affine(x, mean, rstd, weight, bias)
         ctx.pool, ctx.reference = pool, reference
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         return y
@@ -329,12 +326,11 @@ class _SliceNormFunction(torch.autograd.Function):
             out = [next(grads) if need else None for need in needs]
         else:
             out = backward(dy, x, mean, rstd, weight, ctx.pool, needs)
-        return (*out, None, None, None, None, None)
+        return (*out, None, None, None, None)
 
 
 def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, pool: Pool, eps: float,
               reference: Callable[[Tensor, Tensor | None, Tensor | None], Tensor],
-              precomputed: tuple[Tensor, Tensor, Tensor] | None = None,
               ) -> tuple[Tensor, Tensor, Tensor] | None:
     """Normalize ``(N, C, *)`` input by pooled slice statistics: ``(y, mean, var)``.
 
@@ -342,8 +338,6 @@ def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, pool: Pool,
     or a group is ill-conditioned (see the module notes). ``weight``/``bias`` are ``(C,)``;
     ``mean``/``var`` come back as ``(1, C)`` (batch pooling) or ``(N, C)``, ``var`` biased.
     ``reference(x, weight, bias)`` recomputes ``y`` differentiably (double backward).
-    ``precomputed = (y, mean, rstd)`` uses a forward already computed and checked by
-    :func:`native_group_norm`.
 
     Example:
         >>> x = torch.randn(16, 4, 64, 64, requires_grad=True)  # 2^18 elements
@@ -354,15 +348,9 @@ def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, pool: Pool,
     """
     if not supports(x, weight, bias):
         return None
-    xd = x.detach()
-    if precomputed is None:
-        stats = moments(xd, pool, eps)
-        if stats is None:
-            return None
-        mean, var, rstd = stats
-        saved = ()
-    else:
-        y, mean, rstd = precomputed
-        var, saved = rstd.pow(-2).sub_(eps), (y,)
-    y = _SliceNormFunction.apply(x, weight, bias, mean, rstd, pool, reference, saved)
+    stats = moments(x.detach(), pool, eps)
+    if stats is None:
+        return None
+    mean, var, rstd = stats
+    y = _SliceNormFunction.apply(x, weight, bias, mean, rstd, pool, reference)
     return y, mean, var

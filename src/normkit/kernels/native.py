@@ -12,6 +12,19 @@ max abs error vs float64 on the same input, widths 64 to 8192)::
     group_norm (NCHW)       1.9e-6   3.4e-6   1.4e-5   6.0e-5
     group_norm (NHWC)       1.4e-4   1.2e-3   1.5e-2   1.4e-1   (never used here)
 
+torch's channels-last statistics kernels -- BatchNorm on channels-last and on 2D
+``(N, C)`` input, GroupNorm on channels-last -- also accumulate sequentially along the
+positions, so their error grows with the number of values per group even for centered
+data (BatchNorm, 32 channels, max abs error at ratio 0 / 1.5)::
+
+    values per channel      2048     8192     32768    131072   524288
+    batch_norm (NHWC, 2D)   1.2e-6   3.0e-6   6.8e-6   3.0e-5   1.7e-4
+    batch_norm (NCHW)       3.0e-7   4.0e-7   5.0e-7   4.4e-7   4.9e-7
+
+so torch's channels-last BatchNorm serves training only up to
+:data:`CHANNELS_LAST_MAX_COUNT` values per channel (GroupNorm's channels-last kernel is
+used only on small images, see :mod:`normkit.kernels.channels`).
+
 Under ``backend="auto"`` normkit runs torch's kernel first (it returns the group
 statistics anyway), and keeps its output only when every group's ratio is at most the
 threshold below, which bounds the error at a few 1e-6 (the robust path's is ~5e-7);
@@ -79,16 +92,28 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     return y if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]) else None
 
 
-def _bn_threshold(x: Tensor) -> float | None:
+#: Most values per channel for which torch's channels-last (and 2D) training-mode
+#: BatchNorm is kept (error <= ~5e-6 at ratio <= 4; see the table above).
+CHANNELS_LAST_MAX_COUNT = 4096
+
+
+def _bn_threshold(x: Tensor, training: bool = False) -> float | None:
+    """The ratio bound under which torch's BatchNorm kernel is kept for ``x``, or
+    ``None`` where it is never used (empty input, strided input, and in training
+    channels-last or 2D input with more than :data:`CHANNELS_LAST_MAX_COUNT` values per
+    channel)."""
     if x.numel() == 0:  # torch's CPU kernel dies with SIGFPE on an empty batch in eval
         return None
-    if x.is_contiguous():
+    if x.dim() > 2 and x.is_contiguous():
         return THRESHOLDS["batch_norm"]
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return THRESHOLDS["batch_norm_channels_last"]
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return THRESHOLDS["batch_norm_channels_last"]
-    return None
+    rows_last = (x.dim() == 2 and x.is_contiguous()) or (
+        x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)) or (
+        x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d))
+    if not rows_last:
+        return None
+    if training and x.numel() // x.shape[1] > CHANNELS_LAST_MAX_COUNT:
+        return None
+    return THRESHOLDS["batch_norm_channels_last"]
 
 
 def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
@@ -105,7 +130,7 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
         >>> y is None, bool((rm == 0).all())
         (True, True)
     """
-    threshold = _bn_threshold(x)
+    threshold = _bn_threshold(x, training=True)
     if threshold is None or x.dtype not in _FLOATS:
         return None
     saved = [t.clone() if t is not None else None for t in (running_mean, running_var)]

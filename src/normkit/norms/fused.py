@@ -699,9 +699,10 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     """``(y, mean, invstd, from_row_sums)`` of training-mode BatchNorm from fast kernels,
     else ``None``.
 
-    * contiguous input with at least 16 positions per row: the row sums of
-      :func:`normkit.kernels.channels.moments` (torch's
-      NCHW statistics kernel is several times slower), then ``x * scale + shift``;
+    * contiguous input with at least 16 positions per row, and channels-last input with
+      more values per channel than torch's channels-last kernel handles accurately: the
+      per-(n, c) sums of :func:`normkit.kernels.channels.moments` (torch's NCHW
+      statistics kernel is several times slower), then ``x * scale + shift``;
     * otherwise torch's own kernels, whose accuracy bound :mod:`normkit.kernels.native`
       checks: its fused BatchNorm (statistics and output in one call), or its statistics
       kernel alone when the output overwrites ``x`` or the running variance is not
@@ -712,8 +713,7 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     ``from_row_sums`` says the first path was taken (so the backward is the same
     engine's, :func:`normkit.kernels.channels.backward`).
     """
-    threshold = native._bn_threshold(x)
-    if threshold is None or x.dtype not in _WIDE or not _same_dtype(x, weight, bias):
+    if x.numel() == 0 or x.dtype not in _WIDE or not _same_dtype(x, weight, bias):
         return None
     if _from_row_sums(x):
         fast = channels.moments(x, channels.Pool("batch"), eps)
@@ -723,6 +723,9 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
             y = (_normalize_with(x, mean, invstd, weight, bias, True) if overwrite else
                  channels.affine(x, fast[0], fast[2], weight, bias))
             return y, mean, invstd, True
+    threshold = native._bn_threshold(x, training=True)
+    if threshold is None:
+        return None
     buffers = (running_mean, running_var)
     in_kernel = unbiased and all(t is not None and t.dtype == x.dtype for t in buffers)
     before = [t.clone() for t in buffers] if in_kernel else None
@@ -746,8 +749,8 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
 
 
 def _from_row_sums(x: Tensor) -> bool:
-    """Whether :func:`_fast_batch_norm` tries row sums for ``x`` first."""
-    return x.is_contiguous() and x.dim() > 2 and x[0, 0].numel() >= 16
+    """Whether :func:`_fast_batch_norm` tries per-(n, c) sums for ``x`` first."""
+    return x.dim() > 2 and x[0, 0].numel() >= 16 and channels.serves_batch_norm(x)
 
 
 def _normalize_with(x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None,
@@ -987,10 +990,10 @@ class _GroupNormActFunction(torch.autograd.Function):
     """GroupNorm + activation in one node; the statistics path is chosen at forward time.
 
     * contiguous input: torch's fused kernels, forward and backward, where accurate;
-    * channels-last input: torch's forward kernel under the ``r <= 2`` rule of
-      :mod:`normkit.kernels.channels`, and from ``GROUP_NORM_MIN_POSITIONS`` positions
-      up that engine's backward from per-(sample, channel) sums (torch's backward kernel
-      below), as :func:`normkit.functional.group_norm` does;
+    * channels-last input: below ``GROUP_NORM_MIN_POSITIONS`` positions torch's kernels
+      under the ``r <= 2`` rule of :mod:`normkit.kernels.channels`, from there up that
+      engine (per-(sample, channel) sums both ways), as
+      :func:`normkit.functional.group_norm` does;
     * otherwise (ill-conditioned, 16-bit, mixed dtypes): normkit's compensated core,
       recomputed in backward.
 
@@ -1007,10 +1010,10 @@ class _GroupNormActFunction(torch.autograd.Function):
         path = "robust"
         if (fast and layout is not None
                 and x[0, 0].numel() >= channels.GROUP_NORM_MIN_POSITIONS):
-            stats = channels.native_group_norm(x, groups, weight, bias, eps)
+            stats = channels.moments(x, channels.Pool("group", groups), eps)
             if stats is not None:
-                y, mean, rstd = stats
-                path = "channels_last"
+                mean, _, rstd = stats
+                y, path = channels.affine(x, mean, rstd, weight, bias), "channels_last"
         elif fast:  # torch's kernels both ways, in x's layout
             y, mean, rstd = torch.native_group_norm(x if layout else x.contiguous(), weight,
                                                     bias, n, c, x.numel() // (n * c), groups,
