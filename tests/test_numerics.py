@@ -138,7 +138,7 @@ def test_unbatched_instance_norm_matches_torch():
     ("BatchNorm2d", lambda: __import__("normkit").BatchNorm2d(8), (32, 8, 9, 9), "contiguous",
      "batch_norm"),
     ("BatchNorm2d-cl", lambda: __import__("normkit").BatchNorm2d(8), (32, 8, 9, 9),
-     "channels_last", "batch_norm_channels_last"),
+     "channels_last", "batch_norm_channels_last_train"),
     ("GroupNorm", lambda: __import__("normkit").GroupNorm(2, 8), (32, 8, 9, 9), "contiguous",
      "group_norm"),
 ])
