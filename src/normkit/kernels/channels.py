@@ -143,22 +143,41 @@ def _columns(t: Tensor) -> Tensor:
     return t.movedim(1, -1).reshape(t.shape[0], -1, t.shape[1])
 
 
-def _slice_sums(x: Tensor) -> tuple[Tensor, Tensor]:
+def _slice_sums(x: Tensor, pool: Pool) -> tuple[Tensor, Tensor]:
     """``(N, C)`` sums of ``x`` and ``x^2`` over each slice's positions."""
     n, c = x.shape[:2]
     if x.is_contiguous():
         rows = x.view(n * c, -1)
-        s1 = rows.sum(1)
-        s2 = torch.linalg.vector_norm(rows, 2, 1).square_()
-    else:
-        # outer reductions, summed in cascade (2-5 ulps at any count); vector_norm is up
-        # to 8x slower there than square + sum, and the same sums from torch's BatchNorm
-        # backward kernel (no temporary, 2x faster) add sequentially: 5x the error at
-        # 56 x 56 positions, which the 1 + r^2 factor then amplifies
-        cols = _columns(x)
-        s1 = cols.sum(1)
-        s2 = (cols * cols).sum(1)
-    return s1.view(n, c), s2.view(n, c)
+        return rows.sum(1).view(n, c), torch.linalg.vector_norm(rows, 2, 1).square_().view(n, c)
+    cols = _columns(x)  # (N, L, C)
+    if pool.kind == "batch" and cols.shape[1] <= CHANNELS_LAST_MAX_COUNT:
+        return _kernel_column_sums(cols)
+    # outer reductions, summed in cascade (2-5 ulps at any count; vector_norm is up to 8x
+    # slower there than square + sum)
+    return cols.sum(1), (cols * cols).sum(1)
+
+
+def _kernel_column_sums(cols: Tensor) -> tuple[Tensor, Tensor]:
+    """Column sums of each ``(L, C)`` matrix of ``(N, L, C)`` from torch's BatchNorm
+    backward kernel: with ``dy = x``, zero mean and unit invstd its "dbias" and "dweight"
+    are ``sum x`` and ``sum x^2``, read with the channels innermost and no temporary (2x
+    faster than a column sum plus a sum of squares).
+
+    The kernel adds sequentially along the rows, so each matrix's sums carry the error
+    of torch's channels-last BatchNorm at ``L`` values (at most
+    :data:`~normkit.kernels.native.CHANNELS_LAST_MAX_COUNT`, where it is within normkit's
+    bound); pooling the ``N`` matrices cannot raise the relative error of sums of
+    squares. (Pooled over only a few channels, as GroupNorm does, there is no such
+    margin: measured 5x the cascade sums' error at 56 x 56 positions, so GroupNorm and
+    InstanceNorm keep the cascade.)
+    """
+    n, _, c = cols.shape
+    unit = torch.ones(c, dtype=cols.dtype, device=cols.device)
+    zero = torch.zeros_like(unit)
+    sums = [_ATEN.native_batch_norm_backward(cols[i], cols[i], unit, None, None, zero, unit,
+                                             True, 0.0, [False, True, True])
+            for i in range(n)]
+    return torch.stack([t[2] for t in sums]), torch.stack([t[1] for t in sums])
 
 
 def moments(x: Tensor, pool: Pool, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -174,7 +193,7 @@ def moments(x: Tensor, pool: Pool, eps: float) -> tuple[Tensor, Tensor, Tensor] 
         >>> moments(x + 100.0, Pool("batch"), 1e-5) is None
         True
     """
-    s1, s2 = _slice_sums(x)
+    s1, s2 = _slice_sums(x, pool)
     count = pool.count(x)
     mean = pool.sum(s1).div_(count)
     var = pool.sum(s2).div_(count).sub_(mean * mean).clamp_(min=0)
