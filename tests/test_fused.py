@@ -39,6 +39,16 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 LAYOUTS = ["contiguous", "channels_last"]
 
 
+@pytest.fixture(autouse=True)
+def small_inputs_take_the_slice_sums_engine(monkeypatch):
+    """The engine's size floor (kernels.channels.MIN_ELEMENTS) is a speed rule; these
+    tests exercise the engine on small inputs (test_engine_size_floor_for_batch_norm_act
+    checks the floor itself)."""
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """The tensors here are tiny: with intra-op threads on a busy machine, torch's
@@ -706,3 +716,24 @@ def test_modules_trace_without_graph_breaks():
         for a, b in zip(torch.utils._pytree.tree_leaves(compiled),
                         torch.utils._pytree.tree_leaves(eager), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_size_floor_for_batch_norm_act(monkeypatch):
+    """Below the floor BatchNorm + act takes torch's kernels (faster there), above it
+    the slice-sums engine, both equal to the reference."""
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 18)
+    for shape, engine in (((6, 5, 4, 5), False), ((64, 4, 32, 32), True)):
+        x0 = make_input(shape, torch.float32, "contiguous", seed=3)
+        w, b = params(shape[1], torch.float32, True)
+        leaf = x0.clone().requires_grad_()
+        z = batch_norm_act(leaf, None, None, w, b, True, act="relu")
+        x64, w64, b64 = leaf64(x0), leaf64(w), leaf64(b)
+        ref = bn_act64(x64, w64, b64, "relu")
+        assert_close(z, ref, torch.float32)
+        dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(5),
+                         dtype=torch.float64)
+        check_grads(grads_of(z, [leaf, w, b], dz.float()), grads_of(ref, [x64, w64, b64], dz),
+                    torch.float32, ["dx", "dw", "db"])
+        assert channels.supports(x0) == engine

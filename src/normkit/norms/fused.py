@@ -749,8 +749,10 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
 
 
 def _from_row_sums(x: Tensor) -> bool:
-    """Whether :func:`_fast_batch_norm` tries per-(n, c) sums for ``x`` first."""
-    return x.dim() > 2 and x[0, 0].numel() >= 16 and channels.serves_batch_norm(x)
+    """Whether :func:`_fast_batch_norm` tries per-(n, c) sums for ``x`` first (the rule of
+    :func:`normkit.kernels.channels.supports`: below its size floor torch's kernels are
+    faster)."""
+    return channels.supports(x) and channels.serves_batch_norm(x)
 
 
 def _normalize_with(x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None,
