@@ -42,12 +42,12 @@ Norm + activation
 read off its output (ReLU, LeakyReLU and ELU with non-negative slope, identity) it is
 applied in place on the normalized output, so no second activation-sized buffer is
 allocated or kept; SiLU and GELU keep ``y`` for their derivative, as torch does. The
-norm's backward then runs on the resulting ``dy``. BatchNorm statistics come from
-two fast row reductions (:func:`normkit.kernels.channels.moments`) for contiguous
-input, from torch's own kernels for channels-last input (:func:`_fast_batch_norm`), and
-GroupNorm's from torch's fused kernel (contiguous) or from per-channel sums
-(channels-last), each kept only where its accuracy bound holds for the data at hand;
-otherwise from normkit's compensated core.
+norm's backward then runs on the resulting ``dy``. BatchNorm statistics come from the
+slice-sums engine (:mod:`normkit.kernels.channels`) for large contiguous input and large
+channels-last batches, otherwise from torch's own kernels (:func:`_fast_batch_norm`);
+GroupNorm's from torch's fused kernel (contiguous, and small channels-last images) or
+from the engine (larger channels-last images); each is kept only where its accuracy
+bound holds for the data at hand, otherwise normkit's compensated core computes them.
 
 In-Place Activated BatchNorm (Rota Bulò, Porzi & Kontschieder, CVPR 2018)
 --------------------------------------------------------------------------
@@ -699,10 +699,11 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     """``(y, mean, invstd, from_row_sums)`` of training-mode BatchNorm from fast kernels,
     else ``None``.
 
-    * contiguous input with at least 16 positions per row, and channels-last input with
-      more values per channel than torch's channels-last kernel handles accurately: the
-      per-(n, c) sums of :func:`normkit.kernels.channels.moments` (torch's NCHW
-      statistics kernel is several times slower), then ``x * scale + shift``;
+    * inputs the slice-sums engine serves (:func:`_from_row_sums`: from 2^18 elements,
+      contiguous, or channels-last with more values per channel than torch's
+      channels-last kernel handles accurately): the per-(n, c) sums of
+      :func:`normkit.kernels.channels.moments` (torch's NCHW statistics kernel is several
+      times slower), then ``x * scale + shift``;
     * otherwise torch's own kernels, whose accuracy bound :mod:`normkit.kernels.native`
       checks: its fused BatchNorm (statistics and output in one call), or its statistics
       kernel alone when the output overwrites ``x`` or the running variance is not
