@@ -213,3 +213,24 @@ def test_large_channels_last_and_2d_batch_norm_avoid_torchs_sequential_sums():
     assert "Native" not in type(y2.grad_fn).__name__
     ref2 = torch.nn.functional.batch_norm(rows, None, None, training=True)
     assert float((y2.detach().double() - ref2).abs().max()) < 2e-6
+
+
+@pytest.mark.parametrize("offset", [6.0, 1e4], ids=["ratio-4", "offset-1e4"])
+def test_instance_norm_past_the_engine_bound(offset):
+    """Past the engine's bound InstanceNorm takes torch's kernel where it is accurate
+    (NCHW, ratio <= 32), else normkit's compensated path; both equal the reference and
+    update the running statistics as torch does."""
+    module, twin, x, y, x64, ref = _run("in", offset, torch.float32)
+    fn = y.grad_fn
+    while type(fn).__name__.startswith(("View", "UnsafeView")):
+        fn = fn.next_functions[0][0]
+    path = type(fn).__name__
+    assert ("NativeBatchNorm" if offset < 100 else "NormalizeFunction") in path, path
+    assert_close(y, ref, torch.float32)
+    assert_grad_close(x.grad, x64.grad, torch.float32, "input grad")
+    for p, p64 in zip(module.parameters(), twin.parameters(), strict=True):
+        assert_grad_close(p.grad, p64.grad, torch.float32, "parameter grad")
+    tm = torch.nn.InstanceNorm2d(6, affine=True, track_running_stats=True)
+    tm(x.detach())
+    torch.testing.assert_close(module.running_mean, tm.running_mean)
+    torch.testing.assert_close(module.running_var, tm.running_var, rtol=1e-4, atol=1e-6)

@@ -44,7 +44,7 @@ from torch import Tensor
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "layer_norm", "batch_norm_train",
-           "batch_norm_eval", "group_norm"]
+           "batch_norm_eval", "group_norm", "instance_norm", "layer_norm2d_nchw"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -149,6 +149,33 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
             if running is not None:
                 running.copy_(before)
     return None
+
+
+def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                  eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """torch's InstanceNorm when accurate: ``(y, mean, var)`` with ``(N, C)`` statistics
+    (``var`` biased), else ``None``.
+
+    torch computes InstanceNorm as training-mode BatchNorm of the ``(1, N*C, *)`` view,
+    its NCHW kernel, so the NCHW BatchNorm bound applies.
+
+    Example:
+        >>> y, mean, var = instance_norm(torch.randn(2, 3, 8, 8) + 5.0, None, None, 1e-5)
+        >>> mean.shape, bool((mean - 5.0).abs().max() < 1.0)
+        (torch.Size([2, 3]), True)
+    """
+    if (not _plain_dense(x) or x.dim() < 3 or x.dtype not in (torch.float32, torch.float64)
+            or any(p is not None and p.dtype != x.dtype for p in (weight, bias))):
+        return None
+    n, c = x.shape[:2]
+    w = None if weight is None else weight.repeat(n)
+    b = None if bias is None else bias.repeat(n)
+    y, mean, invstd = torch.native_batch_norm(x.view(1, n * c, -1), w, b, None, None, True,
+                                              0.0, eps)
+    if not well_conditioned(mean, invstd, THRESHOLDS["batch_norm"]):
+        return None
+    var = invstd.detach().pow(-2).sub_(eps).clamp_(min=0)
+    return y.view(x.shape), mean.detach().view(n, c), var.view(n, c)
 
 
 def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
