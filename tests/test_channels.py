@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracle import assert_close, assert_grad_close, reference_forward
 
 import normkit
@@ -234,3 +236,48 @@ def test_instance_norm_past_the_engine_bound(offset):
     tm(x.detach())
     torch.testing.assert_close(module.running_mean, tm.running_mean)
     torch.testing.assert_close(module.running_var, tm.running_var, rtol=1e-4, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 4), c=st.sampled_from([2, 4, 6]), h=st.integers(4, 9),
+       w=st.integers(4, 9), offset=st.sampled_from([0.0, 1.0, 2.5, 40.0, 1e4]),
+       kind=st.sampled_from(["batch", "instance", "group"]),
+       channels_last=st.booleans())
+def test_property_every_path_matches_float64(n, c, h, w, offset, kind, channels_last):
+    """Random shapes, layouts and offsets: inside the engine's bound (the engine), past
+    it (torch's kernel or the compensated path) and far past it; forward and gradients
+    against float64 on the same input."""
+    if kind == "batch" and n * h * w == 1:
+        return
+    gen = torch.Generator().manual_seed(n * 1000 + c * 100 + h * 10 + w)
+    x0 = torch.randn(n, c, h, w, generator=gen, dtype=torch.float64) + offset
+    wt = torch.randn(c, generator=gen, dtype=torch.float64)
+    bs = torch.randn(c, generator=gen, dtype=torch.float64)
+
+    def run(x, weight, bias):
+        if kind == "batch":
+            return normkit.functional.batch_norm(x, None, None, weight, bias, True)
+        if kind == "instance":
+            return normkit.functional.instance_norm(x, weight=weight, bias=bias)
+        return normkit.functional.group_norm(x, 2, weight, bias)
+
+    def ref(x, weight, bias):
+        if kind == "batch":
+            return torch.nn.functional.batch_norm(x, None, None, weight, bias, True)
+        if kind == "instance":
+            return torch.nn.functional.instance_norm(x, weight=weight, bias=bias)
+        return torch.nn.functional.group_norm(x, 2, weight, bias)
+
+    x = x0.float()
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    leaves = [t.clone().requires_grad_() for t in (x, wt.float(), bs.float())]
+    y = run(*leaves)
+    leaves64 = [t.detach().double().contiguous().requires_grad_() for t in leaves]
+    y64 = ref(*leaves64)
+    assert_close(y, y64, torch.float32)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    y.backward(dy.float())
+    y64.backward(dy)
+    for got, want, what in zip(leaves, leaves64, ("dx", "dweight", "dbias"), strict=True):
+        assert_grad_close(got.grad, want.grad, torch.float32, what)
