@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .native import CHANNELS_LAST_MAX_COUNT, well_conditioned
+from .native import CHANNELS_LAST_MAX_COUNT, reference_grads, well_conditioned
 
 __all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "supports", "moments", "affine",
            "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "serves_batch_norm"]
@@ -341,12 +341,7 @@ class _SliceNormFunction(torch.autograd.Function):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
-            wanted = [t for t, need in zip((x, weight, bias), needs, strict=True) if need]
-            with torch.enable_grad():
-                y = ctx.reference(x, weight, bias)
-                grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True,
-                                                 allow_unused=True))
-            out = [next(grads) if need else None for need in needs]
+            out = reference_grads(ctx.reference, (x, weight, bias), needs, dy)
         else:
             out = backward(dy, x, mean, rstd, weight, ctx.pool, needs)
         return (*out, None, None, None, None)

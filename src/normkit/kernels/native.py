@@ -44,7 +44,8 @@ from torch import Tensor
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "layer_norm", "batch_norm_train",
-           "batch_norm_eval", "group_norm", "instance_norm", "layer_norm2d_nchw"]
+           "batch_norm_eval", "group_norm", "instance_norm", "layer_norm2d_nchw",
+           "reference_grads"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -225,6 +226,23 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
 LAYER_NORM2D_MIN_ELEMENTS = 1 << 16
 
 
+def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:
+    """Gradients of ``reference(*inputs)`` for the inputs that ``needs``, differentiable
+    themselves (``create_graph=True``): the double backward of a fast path's node.
+
+    Example:
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> g = reference_grads(lambda x, w: x * x, (x, None), (True, False), torch.ones(3))
+        >>> torch.allclose(g[0], 2 * x), g[1] is None
+        (True, True)
+    """
+    wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
+    with torch.enable_grad():
+        y = reference(*inputs)
+        grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
+    return [next(grads) if need else None for need in needs]
+
+
 class _ColumnNormFunction(torch.autograd.Function):
     """Per-channel affine of a normalized ``(N, C, L)`` tensor; backward by torch's
     BatchNorm backward kernel for each sample (see :func:`layer_norm2d_nchw`)."""
@@ -245,14 +263,9 @@ class _ColumnNormFunction(torch.autograd.Function):
         x, weight, bias, mean, invstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
-            wanted = [t for t, need in zip((x, weight, bias), (need_x, need_w, need_b),
-                                           strict=True) if need]
-            with torch.enable_grad():
-                y = ctx.reference(x, weight, bias)
-                grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True,
-                                                 allow_unused=True))
-            return (*(next(grads) if need else None for need in (need_x, need_w, need_b)),
-                    None, None, None, None, None)
+            grads = reference_grads(ctx.reference, (x, weight, bias),
+                                    (need_x, need_w, need_b), dy)
+            return (*grads, None, None, None, None, None)
         g = dy.contiguous()
         dx = dw = db = None
         if need_w:
