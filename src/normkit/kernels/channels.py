@@ -14,11 +14,12 @@ IN keeps each slice alone, GN pools the ``C / G`` consecutive channels of a samp
 Contiguous (NCHW) input: the slice sums are row reductions (``sum`` and ``vector_norm``,
 no temporary), the backward sums come from torch's BatchNorm backward kernel run on the
 ``(1, N*C, L)`` view (each slice a "channel", reductions only), and every per-slice
-affine pass is torch's inference BatchNorm kernel on that view. torch's own NCHW
-BatchNorm and InstanceNorm kernels are 2-3x slower (statistics per channel across the
-batch, accumulated in double). Channels-last input: the forward sums are outer
-reductions, vectorized across the channels, on the tensor as it is; the backward sums
-come from the same BatchNorm backward kernel run on each sample's ``(L, C)`` matrix.
+affine pass is torch's inference BatchNorm kernel on that view (torch's own NCHW
+BatchNorm and InstanceNorm statistics kernels are 2-3x slower). Channels-last input: the
+forward sums are outer reductions, vectorized across the channels, on the tensor as it
+is (for BatchNorm, each sample's column sums from torch's BatchNorm backward kernel, see
+:func:`_kernel_column_sums`); the backward sums come from that kernel run on each
+sample's ``(L, C)`` matrix.
 
 Accuracy: ``var = E[x^2] - E[x]^2`` loses a factor ``1 + r^2`` (``r = |mean| / std`` of a
 pooled group) of the sums' relative error (2-5 ulps for torch's cascaded row sums), so
