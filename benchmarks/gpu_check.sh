@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 6's GPU half in one run: the Triton kernels' tests compiled on CUDA, then the
+# standard-shape bench on the GPU (torch eager beside normkit, Liger-Kernel and apex when
+# installed). Writes everything under $OUT (default ./gpu-out):
+#   env.txt          torch, triton, CUDA, device
+#   tests.log        pytest tests/test_triton.py tests/test_triton_dispatch.py
+#   bench.log        normkit bench --device cuda
+#   results-gpu.json, RESULTS-gpu.md   the table for benchmarks/RESULTS.md
+#
+# Needs a python3 with a CUDA build of torch, triton, pytest, hypothesis and numpy (the
+# device machine's image has them); normkit runs from src/ without installing. Each
+# step has its own time limit, so the whole run ends within ~9 minutes:
+#   bash benchmarks/gpu_check.sh            (on the GPU machine, from the repo root)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET  # compiled kernels on CUDA tensors, not the interpreter
+python=${PYTHON:-python3}
+
+"$python" - > "$out/env.txt" 2>&1 <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__,
+      "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
+try:
+    import triton
+    print("triton", triton.__version__)
+except ImportError as e:
+    print("triton missing:", e)
+EOF
+cat "$out/env.txt"
+
+timeout 270 "$python" -m pytest -q -x -p no:cacheprovider \
+    tests/test_triton.py tests/test_triton_dispatch.py > "$out/tests.log" 2>&1
+echo "tests: exit $? (tail of $out/tests.log)"
+tail -n 5 "$out/tests.log"
+
+timeout 270 "$python" -m normkit bench --device cuda --repeats 9 --quiet \
+    --json "$out/results-gpu.json" --markdown "$out/RESULTS-gpu.md" > "$out/bench.log" 2>&1
+echo "bench: exit $? (tail of $out/bench.log)"
+tail -n 5 "$out/bench.log"
