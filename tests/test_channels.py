@@ -78,9 +78,11 @@ def test_engine_is_taken_and_equals_the_reference(name, ratio, dtype):
     # offset = ratio * bound * std (std 1.5): just under the bound the engine still runs
     module, twin, x, y, x64, ref = _run(name, ratio * channels.RATIO * 1.5, dtype)
     assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
-    assert y.is_contiguous(memory_format=torch.channels_last if CASES[name][1] ==
-                           "channels_last" and x.dim() == 4 else torch.contiguous_format
-                           ) or x.dim() == 5
+    if CASES[name][1] == "channels_last":
+        layout = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    else:
+        layout = torch.contiguous_format
+    assert y.is_contiguous(memory_format=layout)  # the output keeps the input's layout
     assert_close(y, ref, dtype)
     assert_grad_close(x.grad, x64.grad, dtype, "input grad")
     for p, p64 in zip(module.parameters(), twin.parameters(), strict=True):
