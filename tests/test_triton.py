@@ -450,3 +450,179 @@ def test_predicates_and_errors():
         tk.layer_norm(x, (8,), block=12)
     with pytest.raises(ValueError, match="running_mean and running_var"):
         tk.batch_norm_eval(xi, None, None)
+
+
+# ------------------------------------------------------- torch.library operators, compile
+
+
+def _operator_samples():
+    """``{name: args}``: one call of every ``normkit::triton_*`` operator (no autograd)."""
+    from normkit.kernels.triton._ops import OPS
+
+    x, r, w, b = (rand(5, 33, grad=False), rand(5, 33, grad=False), param(33).detach(),
+                  param(33).detach())
+    _, h, mh, ml, rstd = OPS.triton_rows_fwd(x, r, w, b, 33, 1e-5, True, 16)
+    dy = torch.randn_like(x)
+    g = rand(3, 4, 5, 5, layout="nhwc", grad=False)
+    gw, gb = param(4).detach(), param(4).detach()
+    _, gmh, gml, grstd = OPS.triton_gn_fwd(g, 2, gw, gb, 1e-5, 1, None)
+    bmh, bml, _, brstd = OPS.triton_bn_stats(g, 1e-5, 64)
+    return {
+        "triton_rows_fwd": (x, r, w, b, 33, 1e-5, True, 16),
+        "triton_rows_fwd-rms-plain": (x, None, None, None, 33, 1e-5, False, None),
+        "triton_rows_bwd": (h, dy, dy, w, mh, ml, rstd, 33, True, 16, x.dtype, r.dtype, True,
+                            True),
+        "triton_rows_bwd-no-residual": (x, dy, None, None, mh, ml, rstd, 33, False, None,
+                                        x.dtype, None, False, False),
+        "triton_gn_fwd": (g, 2, gw, gb, 1e-5, 1, None),
+        "triton_gn_bwd": (g, torch.randn_like(g), gw, gb, gmh, gml, grstd, 2, 1, None),
+        "triton_gn_bwd-plain": (g, torch.randn_like(g), None, None, gmh, gml, grstd, 2, 0, None),
+        "triton_bn_stats": (g, 1e-5, 64),
+        "triton_bn_apply": (g, bmh, bml, brstd, gw, gb, 64),
+        "triton_bn_bwd": (g, torch.randn_like(g), gw, bmh, bml, brstd, True, 64),
+    }
+
+
+OPERATOR_CASES = ["triton_rows_fwd", "triton_rows_fwd-rms-plain", "triton_rows_bwd",
+                  "triton_rows_bwd-no-residual", "triton_gn_fwd", "triton_gn_bwd",
+                  "triton_gn_bwd-plain", "triton_bn_stats", "triton_bn_apply", "triton_bn_bwd"]
+
+
+@pytest.mark.parametrize("case", OPERATOR_CASES)
+def test_operators_pass_torch_library_opcheck(case):
+    """Schema, fake (meta) implementation -- shapes, dtypes and strides of every output,
+    channels-last included -- and AOT dispatch of each registered operator."""
+    args = _operator_samples()[case]
+    op = getattr(torch.ops.normkit, case.split("-")[0])
+    torch.library.opcheck(op, args)
+
+
+def _traced_ops():
+    """A torch.compile backend that records the operators of the AOT forward and backward
+    graphs (and runs them unchanged)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    seen: list[str] = []
+
+    def compiler(graph, _inputs):
+        seen.extend(str(node.target) for node in graph.graph.nodes
+                    if node.op == "call_function")
+        return make_boxed_func(graph.forward)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler,
+                                     bw_compiler=compiler)
+
+    return backend, seen
+
+
+class _Block(torch.nn.Module):
+    """Every Triton-served layer and fused op, on one small input."""
+
+    def __init__(self, backend):
+        super().__init__()
+        import normkit
+
+        self.bn = normkit.BatchNorm2d(4, backend=backend)
+        self.gn = normkit.GroupNormAct(2, 4, act="silu", backend=backend)
+        self.ln = normkit.LayerNorm(100, backend=backend)
+        self.add_rms = normkit.AddRMSNorm(100, backend=backend)
+        self.add_ln = normkit.AddLayerNorm(100, backend=backend)
+
+    def forward(self, x):
+        h = self.gn(self.bn(x)).flatten(1)  # (N, 4 * 25)
+        y, stream = self.add_rms(self.ln(h), h)
+        y, stream = self.add_ln(y, stream)
+        return y + stream
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_fullgraph_compile_runs_the_registered_kernels(training):
+    """torch.compile(fullgraph=True) keeps every kernel as its operator, forward and
+    backward, with the eager results and running statistics."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backends = ["triton"] + (["auto"] if DEVICE == "cuda" else [])
+    for backend in backends:
+        eager = _Block(backend).to(DEVICE).train(training)
+        twin = _Block(backend).to(DEVICE).train(training)
+        twin.load_state_dict(eager.state_dict())
+        recorder, seen = _traced_ops()
+        compiled = torch.compile(twin, fullgraph=True, backend=recorder)
+        x = rand(3, 4, 5, 5)
+        xa, xb = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        ya, yb = eager(xa), compiled(xb)
+        torch.testing.assert_close(yb, ya, rtol=1e-6, atol=1e-6)
+        dy = torch.randn_like(ya)
+        ya.backward(dy)
+        yb.backward(dy)
+        torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-5)
+        for (name, a), b in zip(eager.named_parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-5, msg=name)
+        for (name, a), b in zip(eager.named_buffers(), twin.buffers(), strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=name)
+        ops = {name.split(".")[1] for name in seen if name.startswith("normkit.")}
+        expected = {"triton_rows_fwd", "triton_rows_bwd", "triton_gn_fwd", "triton_gn_bwd",
+                    "triton_bn_apply", "triton_bn_bwd"}
+        expected.add("triton_bn_stats" if training else "triton_bn_apply")
+        assert ops == expected, (backend, sorted(ops))
+
+
+# -------------------------------------------------------------- fused ops on the kernels
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("x_dtype,r_dtype,in_fp32", [
+    (F32, F32, False), (BF16, BF16, True), (BF16, F32, False), (F16, None, True),
+    (F32, None, False)], ids=["fp32", "bf16-fp32-stream", "bf16+fp32", "fp16-alone-fp32",
+                              "fp32-alone"])
+def test_add_norm_takes_the_kernel(op, x_dtype, r_dtype, in_fp32):
+    """add_layer_norm / add_rms_norm with backend="triton": the row kernel with its
+    residual add, the stream in normkit's dtype (residual_in_fp32 honoured), values and
+    gradients as the float64 reference."""
+    from normkit.norms import fused
+
+    x, w = rand(6, 40, dtype=x_dtype), param(40)
+    r = None if r_dtype is None else rand(6, 40, dtype=r_dtype)
+    b = param(40) if op == "ln" else None
+    fn = fused.add_layer_norm if op == "ln" else fused.add_rms_norm
+    affine = (w, b) if op == "ln" else (w,)
+    y, s = fn(x, r, 40, *affine, residual_in_fp32=in_fp32, backend="triton")
+    want_s = torch.promote_types(x_dtype, x_dtype if r is None else r.dtype)
+    want_s = torch.promote_types(want_s, F32) if in_fp32 else want_s
+    assert y.dtype == x_dtype and s.dtype == want_s
+    xd, rd, wd, bd = leaves(x, r, w, b)
+    sd = xd if rd is None else xd + rd
+    yd = ref_rows(op, sd, wd, bd, 1e-5 if op == "ln" else torch.finfo(F32).eps)
+    close(y, yd, x_dtype, "normed")
+    close(s, sd, x_dtype if r is None else min(x_dtype, r.dtype, key=lambda d: TOL[d] < 1e-4),
+          "stream")
+    dy, ds = torch.randn_like(y), torch.randn_like(s)
+    got = grads([y, s], [x, r, w, b], [dy, ds])
+    want = grads([yd, sd], [xd, rd, wd, bd], [dy.double(), ds.double()])
+    for name, g, e in zip("x r w b".split(), got, want, strict=True):
+        if e is not None:
+            close(g, e, x_dtype, name)
+    assert "RowNormFunction" in type(y.grad_fn).__name__ or r is None
+
+
+@pytest.mark.parametrize("act", ["silu", "identity", "relu"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_group_norm_act_takes_the_kernel(act, layout):
+    """group_norm_act with backend="triton": SiLU and identity fused in the kernel, other
+    activations after it; the memory format is kept."""
+    from normkit.norms import fused
+
+    x, w, b = rand(3, 4, 5, 5, layout=layout), param(4), param(4)
+    y = fused.group_norm_act(x, 2, w, b, act=act, backend="triton")
+    assert y.is_contiguous(memory_format=LAYOUTS[layout])
+    assert ("GroupNormFunction" in type(y.grad_fn).__name__) == (act != "relu")
+    xd, wd, bd = leaves(x, w, b)
+    yd = {"silu": F.silu, "identity": lambda t: t, "relu": F.relu}[act](
+        F.group_norm(xd, 2, wd, bd))
+    close(y, yd, F32, "y")
+    dy = torch.randn_like(y)
+    for name, g, e in zip("x w b".split(), grads(y, [x, w, b], dy),
+                          grads(yd, [xd, wd, bd], dy.double()), strict=True):
+        close(g, e, F32, name)

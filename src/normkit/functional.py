@@ -50,12 +50,13 @@ def _use_triton(backend: str, x: Tensor, supported) -> bool:
     """Whether this call runs the Triton kernel.
 
     ``backend="triton"`` always does (the kernel raises, saying why, when it cannot serve
-    the input); ``"auto"`` does for CUDA tensors the kernel supports, outside torch.compile.
+    the input); ``"auto"`` does for CUDA tensors the kernel supports, inside torch.compile
+    too: the kernels are registered operators (``torch.ops.normkit.triton_*``), so a
+    compiled model runs the same kernels, with the same numerics, as in eager mode.
     """
     if backend == "triton":
         return True
-    return (backend == "auto" and x.is_cuda and not compiling() and tk.available()
-            and supported())
+    return backend == "auto" and x.is_cuda and tk.available() and supported()
 
 
 def _channels_last_format(x: Tensor) -> torch.memory_format | None:

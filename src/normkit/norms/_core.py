@@ -31,9 +31,11 @@ BACKENDS = ("auto", "reference", "eager", "triton")
 def compiling() -> bool:
     """True while torch.compile traces the code.
 
-    Under compilation ``backend="auto"`` takes the reference math: it has no
+    Under compilation ``backend="auto"`` takes the reference math on the CPU: it has no
     data-dependent branches (``fullgraph=True`` works) and Inductor fuses its
-    elementwise passes and reductions into its own kernels.
+    elementwise passes and reductions into its own kernels. (CUDA inputs keep the
+    Triton kernels, which are registered operators: see
+    :func:`normkit.functional._use_triton`.)
     """
     return torch.compiler.is_compiling()
 

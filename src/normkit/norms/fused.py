@@ -104,6 +104,7 @@ from torch.nn import functional as TF
 from .. import _stats
 from .. import functional as F
 from ..kernels import channels, native
+from ..kernels import triton as tk
 from ._base import BackendMixin
 from ._core import (
     affine_view,
@@ -499,12 +500,33 @@ def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual
             return F._empty_result(s, weight, bias).to(x.dtype), s
         y = reference_normalize(s, dims, weight, bias, eps, center)[0]
         return y.to(x.dtype), s
+    if F._use_triton(backend, x, lambda: _triton_serves_add(x, residual, shape, weight, bias,
+                                                             res_dtype)):
+        norm = tk.layer_norm if center else tk.rms_norm
+        affine = (weight, bias) if center else (weight,)
+        if residual is None:
+            s = x if res_dtype == x.dtype else x.to(res_dtype)
+            return norm(s, shape, *affine, eps).to(x.dtype), s
+        # the kernel adds in promote(x, residual): an fp32 stream is asked for by handing
+        # it an fp32 residual
+        res = residual if residual.dtype == res_dtype else residual.to(res_dtype)
+        return norm(x, shape, *affine, eps, residual=res)
     if residual is None and res_dtype == x.dtype and center:
         # nothing to add: the plain LayerNorm (torch's kernel where accurate), x passes on
         return F.layer_norm(x, shape, weight, bias, eps, backend=backend), x
     out = _AddNormFunction.apply(x, residual, weight, bias, shape, eps, center, res_dtype,
                                  backend == "auto")
     return (out, x) if isinstance(out, Tensor) else out
+
+
+def _triton_serves_add(x: Tensor, residual: Tensor | None, shape: tuple[int, ...],
+                       weight: Tensor | None, bias: Tensor | None,
+                       res_dtype: torch.dtype) -> bool:
+    """Whether the Triton row kernels serve ``norm(x + residual)`` with the sum in
+    ``res_dtype`` (they add in the promoted dtype of their two inputs; without a residual
+    they normalize ``x`` cast to ``res_dtype``)."""
+    return (res_dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and tk.supports_layer_norm(x, shape, weight, bias, residual=residual))
 
 
 def add_layer_norm(
@@ -1124,6 +1146,11 @@ def group_norm_act(
         y = F.group_norm(input, num_groups, weight, bias, eps, backend=backend)  # or raises
         return _activate(activation, y, reference)
     F._check_per_channel(input, who, weight=weight, bias=bias)
+    fused = act if act in ("silu", "identity") else None  # in the Triton kernel
+    if F._use_triton(backend, input, lambda: tk.supports_group_norm(
+            input, int(num_groups), weight, bias, act=fused)):
+        y = tk.group_norm(input, int(num_groups), weight, bias, eps, act=fused)
+        return y if fused is not None else _activate(activation, y, False)
     per_group = input.numel() // (input.shape[0] * num_groups)
     if per_group == 1:
         y = F.group_norm(input, num_groups, weight, bias, eps, backend=backend)  # raises

@@ -31,6 +31,13 @@ does not import ``triton``; the first predicate that needs it does.
 ``python -m normkit.kernels.triton.compile_check`` compiles every kernel variant for a
 GPU target (sm_90 by default) on a machine without one.
 
+Under ``torch.compile``: every launcher is a registered operator
+(``torch.ops.normkit.triton_rows_fwd``, ``..._rows_bwd``, ``..._gn_fwd``, ``..._gn_bwd``,
+``..._bn_stats``, ``..._bn_apply``, ``..._bn_bwd``) with a fake implementation, so a
+compiled model (``fullgraph=True`` included) keeps the kernels as opaque graph nodes and
+computes what eager mode computes. The device checks below are constants of the process
+for the compiler.
+
 Example:
     The predicates are cheap; an op that cannot serve its input raises, saying why:
 
@@ -81,6 +88,7 @@ _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ACTS = (None, "identity", "silu")
 
 
+@torch.compiler.assume_constant_result  # (torch.compile: a constant of the process)
 @functools.cache
 def available() -> bool:
     """True when ``triton`` imports (the result is cached; the first call imports it).
@@ -124,17 +132,22 @@ def interpreting() -> bool:
 
 def _problem_device(x: Tensor) -> str | None:
     """Whether ``x``'s device can run the kernels; imports triton only when it might."""
+    return _device_problem(x.device.type, str(x.device))
+
+
+@torch.compiler.assume_constant_result  # (torch.compile: a constant of the process)
+def _device_problem(device_type: str, device: str) -> str | None:
     cpu = ("a CUDA tensor, got a CPU tensor (CPU tensors run only through Triton's "
            "interpreter, which TRITON_INTERPRET=1 must switch on before triton is first "
            "imported)")
-    if x.device.type not in ("cuda", "cpu"):
-        return f"a CUDA tensor, got a tensor on {x.device}"
-    if x.device.type == "cpu" and "triton" not in sys.modules and not _env_flag(
+    if device_type not in ("cuda", "cpu"):
+        return f"a CUDA tensor, got a tensor on {device}"
+    if device_type == "cpu" and "triton" not in sys.modules and not _env_flag(
             "TRITON_INTERPRET"):
         return cpu
     if not available():
         return "the triton package, which is not installed (pip install triton)"
-    if x.device.type == "cpu" and not interpreting():
+    if device_type == "cpu" and not interpreting():
         return cpu
     return None
 

@@ -111,7 +111,11 @@ def rows_forward(x: Tensor, residual: Tensor | None, weight: Tensor | None,
     x2 = _rows(x, n)
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    mean_hi, mean_lo, rstd = torch.empty((3, m), dtype=torch.float32, device=x.device)
+    # (three tensors, not views of one: they are separate outputs of the operator; RMSNorm
+    # has no mean, its pair is zeros rather than uninitialized memory)
+    stat = torch.empty if center else torch.zeros
+    mean_hi, mean_lo = (stat(m, dtype=torch.float32, device=x.device) for _ in range(2))
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     r2 = h = None
     if residual is not None:
         r2 = _rows(residual, n)
@@ -206,10 +210,10 @@ class RowNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, ndim, eps, center, block):
         n = x.shape[x.dim() - ndim:].numel()
-        y, h, mean_hi, mean_lo, rstd = rows_forward(x, residual, weight, bias, n, eps, center,
-                                                    block)
+        y, h, mean_hi, mean_lo, rstd = OPS.triton_rows_fwd(x, residual, weight, bias, n, eps,
+                                                           center, block)
         y = y.view(x.shape)
-        h = None if h is None else h.view(x.shape)
+        h = None if residual is None else h.view(x.shape)
         ctx.save_for_backward(x if h is None else h, weight, bias, mean_hi, mean_lo, rstd)
         ctx.meta = (n, ndim, eps, center, block, x.dtype,
                     None if residual is None else residual.dtype)
@@ -236,11 +240,11 @@ class RowNormFunction(torch.autograd.Function):
                     None if dw is None else dw.to(weight.dtype),
                     None if db is None else db.to(bias.dtype),
                     None, None, None, None)
-        dx, dr, dw, db = rows_backward(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center,
-                                       block, x_dtype, r_dtype if need_r else None, need_w,
-                                       need_b)
+        dx, dr, dw, db = OPS.triton_rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd, n,
+                                             center, block, x_dtype,
+                                             r_dtype if need_r else None, need_w, need_b)
         return (dx.view(src.shape) if need_x else None,
-                dr.view(src.shape) if dr is not None else None,
+                dr.view(src.shape) if need_r else None,
                 dw.view(weight.shape).to(weight.dtype) if need_w else None,
                 db.view(bias.shape).to(bias.dtype) if need_b else None,
                 None, None, None, None)
@@ -278,8 +282,8 @@ def gn_forward(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | Non
     n, c, s = v.shape
     cpg = c // groups
     y, yv = _empty_like_ncs(x)
-    mean_hi, mean_lo, rstd = torch.empty((3, n * groups), dtype=torch.float32,
-                                         device=x.device)
+    mean_hi, mean_lo, rstd = (torch.empty(n * groups, dtype=torch.float32, device=x.device)
+                              for _ in range(3))
     block_s, block_c = _group_config(cpg, s, block)
     s_blocks = _cdiv(s, block_s)
     tiles = dict(BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_warps(block_s * block_c, 8))
@@ -338,7 +342,7 @@ class GroupNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, act, block):
-        y, mean_hi, mean_lo, rstd = gn_forward(x, groups, weight, bias, eps, act, block)
+        y, mean_hi, mean_lo, rstd = OPS.triton_gn_fwd(x, groups, weight, bias, eps, act, block)
         ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
         ctx.meta = (groups, eps, act, block)
         return y
@@ -353,11 +357,11 @@ class GroupNormFunction(torch.autograd.Function):
                                         _channel_shape(x), weight, bias, dy, act,
                                         (need_x, need_w, need_b))
             return (*_cast_like(grads, (x, weight, bias)), None, None, None, None)
-        dx, dw, db = gn_backward(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups, act,
-                                 block)
+        dx, dw, db = OPS.triton_gn_bwd(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups,
+                                       act, block)
         return (dx if need_x else None,
-                dw.to(weight.dtype) if need_w and dw is not None else None,
-                db.to(bias.dtype) if need_b and db is not None else None,
+                dw.to(weight.dtype) if need_w and weight is not None else None,
+                db.to(bias.dtype) if need_b and bias is not None else None,
                 None, None, None, None)
 
 
@@ -455,8 +459,8 @@ def _cast_like(grads, tensors):
 
 
 def _bn_grads(ctx, x, dy, weight, bias, mean_hi, mean_lo, rstd, train):
-    dx, sum_dyx, sum_dy = bn_backward(x, dy, weight, mean_hi, mean_lo, rstd, train,
-                                      ctx.block)
+    dx, sum_dyx, sum_dy = OPS.triton_bn_bwd(x, dy, weight, mean_hi, mean_lo, rstd, train,
+                                            ctx.block)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     return (dx if need_x else None,
             sum_dyx.to(weight.dtype) if need_w and weight is not None else None,
@@ -469,8 +473,8 @@ class BatchNormTrainFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, block):
-        mean_hi, mean_lo, var, rstd = bn_stats(x, eps, block)
-        y = bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
+        mean_hi, mean_lo, var, rstd = OPS.triton_bn_stats(x, eps, block)
+        y = OPS.triton_bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
         ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
         ctx.eps, ctx.block = eps, block
         mean = mean_hi + mean_lo
@@ -500,7 +504,7 @@ class BatchNormEvalFunction(torch.autograd.Function):
         mean_hi = mean.float()
         mean_lo = (mean.double() - mean_hi.double()).float()  # nonzero for float64 buffers
         rstd = (running_var.detach().double() + eps).rsqrt().float()
-        y = bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
+        y = OPS.triton_bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
         ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
         ctx.block = block
         return y
@@ -516,3 +520,121 @@ class BatchNormEvalFunction(torch.autograd.Function):
             return (*_cast_like(grads, (x, weight, bias)), None, None, None, None)
         grads = _bn_grads(ctx, x, dy, weight, bias, mean_hi, mean_lo, rstd, False)
         return (*grads, None, None, None, None)
+
+
+# ---------------------------------------------------------------- torch.library ops
+#
+# Every launcher is also a ``normkit::triton_*`` operator, so torch.compile sees one
+# opaque node per launch (its fake implementation gives the output shapes and strides
+# without running anything) instead of tracing into Triton's launcher, and
+# ``torch.compile(fullgraph=True)`` keeps the kernels. The autograd Functions above call
+# the operators; absent outputs (no residual, no weight) are empty placeholders, since an
+# operator returns a fixed number of tensors.
+
+_LIB = torch.library.Library("normkit", "FRAGMENT")
+_SCHEMAS = {
+    "triton_rows_fwd": "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, int n, "
+                       "float eps, bool center, int? block) "
+                       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "triton_rows_bwd": "(Tensor src, Tensor dy, Tensor? dh, Tensor? weight, Tensor mean_hi, "
+                       "Tensor mean_lo, Tensor rstd, int n, bool center, int? block, "
+                       "ScalarType x_dtype, ScalarType? r_dtype, bool need_w, bool need_b) "
+                       "-> (Tensor, Tensor, Tensor, Tensor)",
+    "triton_gn_fwd": "(Tensor x, int groups, Tensor? weight, Tensor? bias, float eps, int act, "
+                     "int? block) -> (Tensor, Tensor, Tensor, Tensor)",
+    "triton_gn_bwd": "(Tensor x, Tensor dy, Tensor? weight, Tensor? bias, Tensor mean_hi, "
+                     "Tensor mean_lo, Tensor rstd, int groups, int act, int? block) "
+                     "-> (Tensor, Tensor, Tensor)",
+    "triton_bn_stats": "(Tensor x, float eps, int? block) -> (Tensor, Tensor, Tensor, Tensor)",
+    "triton_bn_apply": "(Tensor x, Tensor mean_hi, Tensor mean_lo, Tensor rstd, "
+                       "Tensor? weight, Tensor? bias, int? block) -> Tensor",
+    "triton_bn_bwd": "(Tensor x, Tensor dy, Tensor? weight, Tensor mean_hi, Tensor mean_lo, "
+                     "Tensor rstd, bool train, int? block) -> (Tensor, Tensor, Tensor)",
+}
+
+
+def _none_as_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def _rows_fwd(x, residual, weight, bias, n, eps, center, block):
+    y, h, mean_hi, mean_lo, rstd = rows_forward(x, residual, weight, bias, n, eps, center,
+                                                block)
+    return y, _none_as_empty(h, y), mean_hi, mean_lo, rstd
+
+
+def _rows_fwd_fake(x, residual, weight, bias, n, eps, center, block):
+    m = x.numel() // n
+    y = x.new_empty((m, n))
+    h = (y.new_empty(0) if residual is None
+         else x.new_empty((m, n), dtype=torch.promote_types(x.dtype, residual.dtype)))
+    return (y, h, *(x.new_empty(m, dtype=torch.float32) for _ in range(3)))
+
+
+def _rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center, block, x_dtype,
+              r_dtype, need_w, need_b):
+    dx, dr, dw, db = rows_backward(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center,
+                                   block, x_dtype, r_dtype, need_w, need_b)
+    return dx, _none_as_empty(dr, dx), _none_as_empty(dw, rstd), _none_as_empty(db, rstd)
+
+
+def _rows_bwd_fake(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center, block, x_dtype,
+                   r_dtype, need_w, need_b):
+    m = src.numel() // n
+    dx = src.new_empty((m, n), dtype=x_dtype)
+    dr = dx.new_empty(0) if r_dtype is None else src.new_empty((m, n), dtype=r_dtype)
+    f32 = dict(dtype=torch.float32)
+    return (dx, dr, rstd.new_empty(n if need_w else 0, **f32),
+            rstd.new_empty(n if need_b else 0, **f32))
+
+
+def _gn_fwd(x, groups, weight, bias, eps, act, block):
+    return gn_forward(x, groups, weight, bias, eps, act, block)
+
+
+def _gn_fwd_fake(x, groups, weight, bias, eps, act, block):
+    y, _ = _empty_like_ncs(x)
+    return (y, *(x.new_empty(x.shape[0] * groups, dtype=torch.float32) for _ in range(3)))
+
+
+def _gn_bwd(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups, act, block):
+    dx, dw, db = gn_backward(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups, act, block)
+    return dx, _none_as_empty(dw, rstd), _none_as_empty(db, rstd)
+
+
+def _gn_bwd_fake(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups, act, block):
+    dx, _ = _empty_like_ncs(x)
+    c = x.shape[1]
+    return (dx, rstd.new_empty(0 if weight is None else c),
+            rstd.new_empty(0 if bias is None else c))
+
+
+def _bn_stats_fake(x, eps, block):
+    return tuple(x.new_empty(x.shape[1], dtype=torch.float32) for _ in range(4))
+
+
+def _bn_apply_fake(x, mean_hi, mean_lo, rstd, weight, bias, block):
+    return _empty_like_ncs(x)[0]
+
+
+def _bn_bwd_fake(x, dy, weight, mean_hi, mean_lo, rstd, train, block):
+    c = x.shape[1]
+    return _empty_like_ncs(x)[0], rstd.new_empty(c), rstd.new_empty(c)
+
+
+_IMPLEMENTATIONS = {
+    "triton_rows_fwd": (_rows_fwd, _rows_fwd_fake),
+    "triton_rows_bwd": (_rows_bwd, _rows_bwd_fake),
+    "triton_gn_fwd": (_gn_fwd, _gn_fwd_fake),
+    "triton_gn_bwd": (_gn_bwd, _gn_bwd_fake),
+    "triton_bn_stats": (bn_stats, _bn_stats_fake),
+    "triton_bn_apply": (bn_apply, _bn_apply_fake),
+    "triton_bn_bwd": (bn_backward, _bn_bwd_fake),
+}
+for _name, _schema in _SCHEMAS.items():
+    _LIB.define(_name + _schema)
+    _LIB.impl(_name, _IMPLEMENTATIONS[_name][0], "CompositeExplicitAutograd")
+    torch.library.register_fake(f"normkit::{_name}", _IMPLEMENTATIONS[_name][1], lib=_LIB)
+
+#: The registered operators (``torch.ops.normkit.triton_*``).
+OPS = torch.ops.normkit
