@@ -626,3 +626,33 @@ def test_group_norm_act_takes_the_kernel(act, layout):
     for name, g, e in zip("x w b".split(), grads(y, [x, w, b], dy),
                           grads(yd, [xd, wd, bd], dy.double()), strict=True):
         close(g, e, F32, name)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_batch_norm_act_takes_the_kernel(training, layout):
+    """batch_norm_act with backend="triton": the BatchNorm kernels then the activation,
+    running statistics updated as on the default path; memory="inplace" has no kernel
+    and says so."""
+    from normkit.norms import fused
+
+    x, w, b = rand(4, 3, 5, 5, layout=layout), param(3), param(3)
+    stats = [torch.zeros(3, device=DEVICE), torch.ones(3, device=DEVICE)]
+    mine = [t.clone() for t in stats]
+    y = fused.batch_norm_act(x, *mine, w, b, training, 0.1, 1e-5, act="leaky_relu",
+                             backend="triton")
+    assert "BatchNorm" in type(y.grad_fn.next_functions[0][0]).__name__
+    assert y.is_contiguous(memory_format=LAYOUTS[layout])
+    xd, wd, bd = leaves(x, w, b)
+    ref = [t.double().cpu() for t in stats]
+    yd = F.leaky_relu(F.batch_norm(xd, *ref, wd, bd, training, 0.1, 1e-5), 0.01)
+    close(y, yd, F32, "y")
+    for name, got, want in zip(("running_mean", "running_var"), mine, ref, strict=True):
+        close(got, want, F32, name)
+    dy = torch.randn_like(y)
+    for name, g, e in zip("x w b".split(), grads(y, [x, w, b], dy),
+                          grads(yd, [xd, wd, bd], dy.double()), strict=True):
+        close(g, e, F32, name)
+    with pytest.raises(ValueError, match="inplace.*no Triton kernel"):
+        fused.batch_norm_act(x, None, None, w, b, True, act="leaky_relu", memory="inplace",
+                             backend="triton")

@@ -977,7 +977,10 @@ def batch_norm_act(
         alpha: ELU's ``alpha``. Default: ``1.0``.
         memory: ``"standard"`` or ``"inplace"`` (invertible activations only).
         unbiased_running_var: as in :func:`normkit.functional.batch_norm`.
-        backend: ``"auto"``, ``"eager"`` (compensated statistics always) or ``"reference"``.
+        backend: ``"auto"``, ``"eager"`` (compensated statistics always),
+            ``"reference"`` or ``"triton"`` (the Triton BatchNorm kernels, then the
+            activation; ``memory="standard"`` only). ``"auto"`` takes the Triton kernels
+            for CUDA input with ``memory="standard"``.
 
     Example:
         >>> x = torch.randn(8, 3, 4, 4)
@@ -992,6 +995,16 @@ def batch_norm_act(
     F._check_channels_first(input, who)
     F._check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
                          weight=weight, bias=bias)
+    if memory == "inplace" and check_backend(backend) == "triton":
+        raise ValueError(f"{who} with memory='inplace' has no Triton kernel (its backward "
+                         "recovers the input from the output); got backend='triton', use "
+                         "backend='auto' or memory='standard'")
+    if memory == "standard" and F._use_triton(backend, input, lambda: tk.supports_batch_norm(
+            input, weight, bias, running_mean, running_var)):
+        # the Triton BatchNorm kernels, the activation after them
+        y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                         eps, unbiased_running_var=unbiased_running_var, backend="triton")
+        return _activate(activation, y, False)
     dims = (0, *range(2, input.dim()))
     count = _stats.reduced_count(input.shape, dims)
     fused = training and not reference and input.numel() > 0 and count > 1 and eps > 0
@@ -1126,7 +1139,9 @@ def group_norm_act(
     they are accurate; channels-last input is normalized in its own layout (no copy) from
     per-channel sums (torch's channels-last GroupNorm kernel loses precision with the
     data's offset, see :mod:`normkit.kernels.native`) and gives channels-last output;
-    ill-conditioned or 16-bit input takes normkit's compensated core.
+    ill-conditioned or 16-bit input takes normkit's compensated core. CUDA input (and
+    ``backend="triton"``) takes the Triton GroupNorm kernel, SiLU and identity fused into
+    it, other activations after it.
 
     Example:
         >>> x = torch.randn(2, 6, 5, 5)
