@@ -146,6 +146,7 @@ def test_layer_norm2d_nchw_fast_path(monkeypatch):
     from normkit.kernels import native
 
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS", (0, 0))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 6, 5, 7, generator=gen, requires_grad=True)
     w = torch.randn(6, generator=gen, requires_grad=True)
@@ -166,3 +167,41 @@ def test_layer_norm2d_nchw_fast_path(monkeypatch):
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
     assert "ColumnNorm" in _path(F.layer_norm2d(x64, w64, b64))
     torch.autograd.gradgradcheck(lambda *a: F.layer_norm2d(*a), (x64, w64, b64))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_norm2d_nchw_few_positions_take_torchs_layer_norm(threads, monkeypatch):
+    """Below LAYER_NORM2D_MIN_POSITIONS (per thread count) NCHW LayerNorm2d is torch's
+    LayerNorm kernel on a channels-innermost copy: NCHW output, reference values and
+    gradients; an offset past that kernel's bound takes the compensated path. From the
+    floor up it is the per-sample kernel."""
+    from oracle import assert_close, assert_grad_close
+
+    from normkit.kernels import native
+
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        positions = native.LAYER_NORM2D_MIN_POSITIONS[threads > 1] - 1
+        x = torch.randn(2, 16, positions, 1, generator=gen, requires_grad=True)
+        w = torch.randn(16, generator=gen, requires_grad=True)
+        b = torch.randn(16, generator=gen, requires_grad=True)
+        y = F.layer_norm2d(x, w, b)
+        assert "LayerNorm" in _path(y) and "ColumnNorm" not in _path(y), _path(y)
+        assert y.is_contiguous()
+        dy = torch.randn(y.shape, generator=gen)
+        y.backward(dy)
+        leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+        ref = torch.nn.functional.layer_norm(leaves[0].permute(0, 2, 3, 1), (16,), leaves[1],
+                                             leaves[2]).permute(0, 3, 1, 2)
+        ref.backward(dy.double())
+        assert_close(y, ref, torch.float32)
+        for got, want in zip((x.grad, w.grad, b.grad), leaves, strict=True):
+            assert_grad_close(got, want.grad, torch.float32)
+        assert "LayerNorm" not in _path(F.layer_norm2d(x.detach() + 1e4, w, b))
+        wider = torch.randn(2, 16, positions + 1, 1, generator=gen, requires_grad=True)
+        assert "ColumnNorm" in _path(F.layer_norm2d(wider, w, b))
+    finally:
+        torch.set_num_threads(previous)

@@ -437,9 +437,13 @@ def layer_norm2d(
             if y is not None:
                 return y.movedim(-1, 1)
         elif input.is_contiguous():
-            # NCHW: torch's BatchNorm kernel per sample, no transposing copies
+            # NCHW: torch's BatchNorm kernel per sample, no transposing copies; on small
+            # inputs or few positions torch's LayerNorm on a channels-innermost copy
             y = native.layer_norm2d_nchw(input, weight, bias, eps,
                                          _reference((1,), (1, input.shape[1], 1), eps))
+            if y is None:
+                y = native.layer_norm(last.contiguous(), (input.shape[1],), weight, bias, eps)
+                y = None if y is None else y.movedim(-1, 1).contiguous()
             if y is not None:
                 return y
     return normalize(input, (1,), w, b, eps, backend=backend)[0]

@@ -224,6 +224,14 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
 
 #: Fewest elements for which :func:`layer_norm2d_nchw` pays off (it loops over the batch).
 LAYER_NORM2D_MIN_ELEMENTS = 1 << 16
+#: Fewest positions per sample (``H * W``) for which it pays off, with one CPU thread and
+#: with more: torch's BatchNorm kernel vectorizes and parallelizes across the positions,
+#: so on few of them torch's LayerNorm on a channels-innermost copy is faster. Measured
+#: (torch 2.13, 2-core VM, forward+backward, copy path time / this path's): 7 x 7
+#: positions 0.8x at 1 thread and 0.4x at 2; 14 x 14 0.96x and 0.75x; 28 x 28 0.96x
+#: and 0.9-0.97x; 56 x 56 1.1x and 1.0x (forward alone this path is 1.6-2x faster from
+#: 14 x 14 up at one thread).
+LAYER_NORM2D_MIN_POSITIONS = (64, 256)
 
 
 def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:
@@ -308,7 +316,9 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
         >>> torch.allclose(y, ref.permute(0, 3, 1, 2), atol=1e-5)
         True
     """
+    floor = LAYER_NORM2D_MIN_POSITIONS[torch.get_num_threads() > 1]
     if (not _plain_dense(x) or x.dim() < 3 or x.numel() < LAYER_NORM2D_MIN_ELEMENTS
+            or x.shape[2:].numel() < floor
             or x.dtype not in (torch.float32, torch.float64)
             or any(p is not None and p.dtype != x.dtype for p in (weight, bias))):
         return None
