@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable
 
 import torch
@@ -210,7 +211,7 @@ class RowNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, ndim, eps, center, block):
         n = x.shape[x.dim() - ndim:].numel()
-        y, h, mean_hi, mean_lo, rstd = OPS.triton_rows_fwd(x, residual, weight, bias, n, eps,
+        y, h, mean_hi, mean_lo, rstd = _ops().triton_rows_fwd(x, residual, weight, bias, n, eps,
                                                            center, block)
         y = y.view(x.shape)
         h = None if residual is None else h.view(x.shape)
@@ -240,7 +241,7 @@ class RowNormFunction(torch.autograd.Function):
                     None if dw is None else dw.to(weight.dtype),
                     None if db is None else db.to(bias.dtype),
                     None, None, None, None)
-        dx, dr, dw, db = OPS.triton_rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd, n,
+        dx, dr, dw, db = _ops().triton_rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd, n,
                                              center, block, x_dtype,
                                              r_dtype if need_r else None, need_w, need_b)
         return (dx.view(src.shape) if need_x else None,
@@ -342,7 +343,7 @@ class GroupNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, act, block):
-        y, mean_hi, mean_lo, rstd = OPS.triton_gn_fwd(x, groups, weight, bias, eps, act, block)
+        y, mean_hi, mean_lo, rstd = _ops().triton_gn_fwd(x, groups, weight, bias, eps, act, block)
         ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
         ctx.meta = (groups, eps, act, block)
         return y
@@ -357,7 +358,7 @@ class GroupNormFunction(torch.autograd.Function):
                                         _channel_shape(x), weight, bias, dy, act,
                                         (need_x, need_w, need_b))
             return (*_cast_like(grads, (x, weight, bias)), None, None, None, None)
-        dx, dw, db = OPS.triton_gn_bwd(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups,
+        dx, dw, db = _ops().triton_gn_bwd(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups,
                                        act, block)
         return (dx if need_x else None,
                 dw.to(weight.dtype) if need_w and weight is not None else None,
@@ -459,7 +460,7 @@ def _cast_like(grads, tensors):
 
 
 def _bn_grads(ctx, x, dy, weight, bias, mean_hi, mean_lo, rstd, train):
-    dx, sum_dyx, sum_dy = OPS.triton_bn_bwd(x, dy, weight, mean_hi, mean_lo, rstd, train,
+    dx, sum_dyx, sum_dy = _ops().triton_bn_bwd(x, dy, weight, mean_hi, mean_lo, rstd, train,
                                             ctx.block)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     return (dx if need_x else None,
@@ -473,8 +474,8 @@ class BatchNormTrainFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, block):
-        mean_hi, mean_lo, var, rstd = OPS.triton_bn_stats(x, eps, block)
-        y = OPS.triton_bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
+        mean_hi, mean_lo, var, rstd = _ops().triton_bn_stats(x, eps, block)
+        y = _ops().triton_bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
         ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
         ctx.eps, ctx.block = eps, block
         mean = mean_hi + mean_lo
@@ -504,7 +505,7 @@ class BatchNormEvalFunction(torch.autograd.Function):
         mean_hi = mean.float()
         mean_lo = (mean.double() - mean_hi.double()).float()  # nonzero for float64 buffers
         rstd = (running_var.detach().double() + eps).rsqrt().float()
-        y = OPS.triton_bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
+        y = _ops().triton_bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
         ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
         ctx.block = block
         return y
@@ -528,8 +529,9 @@ class BatchNormEvalFunction(torch.autograd.Function):
 # opaque node per launch (its fake implementation gives the output shapes and strides
 # without running anything) instead of tracing into Triton's launcher, and
 # ``torch.compile(fullgraph=True)`` keeps the kernels. The autograd Functions above call
-# the operators; absent outputs (no residual, no weight) are empty placeholders, since an
-# operator returns a fixed number of tensors.
+# the operators while torch.compile traces and the same implementations directly in
+# eager mode (:func:`_ops`); absent outputs (no residual, no weight) are empty
+# placeholders, since an operator returns a fixed number of tensors.
 
 _LIB = torch.library.Library("normkit", "FRAGMENT")
 _SCHEMAS = {
@@ -638,3 +640,12 @@ for _name, _schema in _SCHEMAS.items():
 
 #: The registered operators (``torch.ops.normkit.triton_*``).
 OPS = torch.ops.normkit
+#: The same implementations called directly, without the dispatcher (eager mode: ~3.5 us
+#: less per call, measured on this project's CPU, against launches of ~10-40 us).
+DIRECT = types.SimpleNamespace(**{name: impl for name, (impl, _) in _IMPLEMENTATIONS.items()})
+
+
+def _ops():
+    """The registered operators while torch.compile traces (one opaque node per launch),
+    else the direct calls: the same code, so eager and compiled results are identical."""
+    return OPS if torch.compiler.is_compiling() else DIRECT
