@@ -6,10 +6,14 @@
 #   tests.log        pytest tests/test_triton.py tests/test_triton_dispatch.py
 #   bench.log        normkit bench --device cuda
 #   results-gpu.json, RESULTS-gpu.md   the table for benchmarks/RESULTS.md
+#   sweep.log, results-gpu-widths.json, RESULTS-gpu-widths.md   LayerNorm/RMSNorm and
+#                    their add ops at 4096 rows of width 256 to 16384 (issue 6: fwd+bwd
+#                    >= torch eager at every width; fwd >= 80% of HBM peak from 1024)
 #
 # Needs a python3 with a CUDA build of torch, triton, pytest, hypothesis and numpy (the
 # device machine's image has them); normkit runs from src/ without installing. Each
-# step has its own time limit, so the whole run ends within ~9 minutes:
+# step has its own time limit, so the whole run ends within ~9 minutes (H200 HBM3e peak,
+# for the % of peak: 4.8 TB/s; env.txt has nvidia-smi's clocks and memory):
 #   bash benchmarks/gpu_check.sh            (on the GPU machine, from the repo root)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -31,14 +35,23 @@ try:
 except ImportError as e:
     print("triton missing:", e)
 EOF
+nvidia-smi --query-gpu=name,driver_version,clocks.max.memory,clocks.max.sm,memory.total \
+    --format=csv >> "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-timeout 270 "$python" -m pytest -q -x -p no:cacheprovider \
+timeout 240 "$python" -m pytest -q -x -p no:cacheprovider \
     tests/test_triton.py tests/test_triton_dispatch.py > "$out/tests.log" 2>&1
 echo "tests: exit $? (tail of $out/tests.log)"
 tail -n 5 "$out/tests.log"
 
-timeout 270 "$python" -m normkit bench --device cuda --repeats 9 --quiet \
+timeout 200 "$python" -m normkit bench --device cuda --repeats 9 --quiet \
     --json "$out/results-gpu.json" --markdown "$out/RESULTS-gpu.md" > "$out/bench.log" 2>&1
 echo "bench: exit $? (tail of $out/bench.log)"
 tail -n 5 "$out/bench.log"
+
+widths=4096x256,4096x512,4096x1024,4096x2048,4096x4096,4096x8192,4096x16384
+timeout 90 "$python" -m normkit bench layer_norm rms_norm add_layer_norm add_rms_norm \
+    --device cuda --shapes "$widths" --repeats 7 --quiet --json "$out/results-gpu-widths.json" \
+    --markdown "$out/RESULTS-gpu-widths.md" > "$out/sweep.log" 2>&1
+echo "sweep: exit $? (tail of $out/sweep.log)"
+tail -n 5 "$out/sweep.log"
