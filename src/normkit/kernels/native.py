@@ -68,8 +68,10 @@ def well_conditioned(mean: Tensor, rstd: Tensor, threshold: float) -> bool:
     """
     if mean.numel() == 0:
         return True
-    with torch.no_grad():  # (three small kernels and one sync: ~5 us)
-        ratio = torch.mul(mean, rstd).abs_().max().item()
+    if mean.requires_grad or rstd.requires_grad:  # (torch's statistics outputs never do)
+        mean, rstd = mean.detach(), rstd.detach()
+    # three small kernels and one sync: ~4 us (a no_grad block would add ~2 us)
+    ratio = torch.mul(mean, rstd).abs_().max().item()
     return ratio <= threshold  # NaN compares False: the robust path handles it
 
 
