@@ -6,6 +6,7 @@
 #   tests.log        pytest tests/test_triton.py tests/test_triton_dispatch.py
 #   bench.log        normkit bench --device cuda
 #   results-gpu.json, RESULTS-gpu.md   the table for benchmarks/RESULTS.md
+#   targets-gpu.md   issue 6 GPU targets over both runs (normkit bench --summarize)
 #   sweep.log, results-gpu-widths.json, RESULTS-gpu-widths.md   LayerNorm/RMSNorm and
 #                    their add ops at 4096 rows of width 256 to 16384 (issue 6: fwd+bwd
 #                    >= torch eager at every width; fwd >= 80% of HBM peak from 1024)
@@ -44,14 +45,20 @@ timeout 240 "$python" -m pytest -q -x -p no:cacheprovider \
 echo "tests: exit $? (tail of $out/tests.log)"
 tail -n 5 "$out/tests.log"
 
-timeout 200 "$python" -m normkit bench --device cuda --repeats 9 --quiet \
+timeout 200 "$python" -m normkit bench --device cuda --repeats 9 --quiet --peak-gbs 4800 \
     --json "$out/results-gpu.json" --markdown "$out/RESULTS-gpu.md" > "$out/bench.log" 2>&1
 echo "bench: exit $? (tail of $out/bench.log)"
 tail -n 5 "$out/bench.log"
 
 widths=4096x256,4096x512,4096x1024,4096x2048,4096x4096,4096x8192,4096x16384
 timeout 90 "$python" -m normkit bench layer_norm rms_norm add_layer_norm add_rms_norm \
-    --device cuda --shapes "$widths" --repeats 7 --quiet --json "$out/results-gpu-widths.json" \
+    --device cuda --shapes "$widths" --repeats 7 --quiet --peak-gbs 4800 \
+    --json "$out/results-gpu-widths.json" \
     --markdown "$out/RESULTS-gpu-widths.md" > "$out/sweep.log" 2>&1
 echo "sweep: exit $? (tail of $out/sweep.log)"
 tail -n 5 "$out/sweep.log"
+
+"$python" -m normkit bench --summarize "$out/results-gpu.json" "$out/results-gpu-widths.json" \
+    > "$out/targets-gpu.md" 2>&1
+echo "targets: exit $? ($out/targets-gpu.md)"
+cat "$out/targets-gpu.md"

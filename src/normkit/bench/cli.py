@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from collections.abc import Sequence
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from .ops import EXTERNALS, OPS, SHAPE_SETS, get_op, op_names
 from .report import to_json, to_markdown
 from .runner import DTYPES, INPUTS, BenchConfig, errors, plan, run
+from .targets import markdown_lines
 
 __all__ = ["main", "build_parser"]
 
@@ -44,6 +46,36 @@ def _threads(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"expected a positive integer or a comma list such as 1,2, got {text!r}")
     return tuple(dict.fromkeys(values))
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _summarize(paths: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """The targets' verdicts over saved runs, pooled (``--summarize``)."""
+    docs = []
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                doc = json.load(handle)
+        except (OSError, ValueError) as error:
+            parser.error(f"--summarize could not read {path}: {error}")
+        if not isinstance(doc, dict) or "results" not in doc or "environment" not in doc:
+            parser.error(f"--summarize expected the JSON of a normkit bench run (--json), got "
+                         f"{path} without 'results' and 'environment'")
+        docs.append(doc)
+    lines = markdown_lines(docs)
+    if not lines:
+        return "No issue #6 target covers these runs.\n"
+    sources = ", ".join(paths)
+    return "\n".join(lines) + f"\n\nRuns: {sources}.\n"
 
 
 def build_parser(prog: str = "normkit bench") -> argparse.ArgumentParser:
@@ -82,6 +114,12 @@ def build_parser(prog: str = "normkit bench") -> argparse.ArgumentParser:
     parser.add_argument("--copy-mib", type=int, default=256, metavar="MIB",
                         help="buffer size for the copy-bandwidth yardstick (default: 256)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
+    parser.add_argument("--peak-gbs", type=_positive, default=None, metavar="GB/S",
+                        help="the device's nominal memory bandwidth, for the targets stated "
+                        "as a %% of peak (e.g. 4800 for an H200)")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON",
+                        help="measure nothing: print the targets' verdicts over these saved "
+                        "runs (--json files), pooled")
     parser.add_argument("--json", metavar="FILE",
                         help="write the results as JSON ('-': print it instead of the table)")
     parser.add_argument("--markdown", metavar="FILE", help="write the Markdown table to FILE")
@@ -173,6 +211,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
     if args.list:
         print(_list_text(args.device))
         return 0
+    if args.summarize:
+        print(_summarize(args.summarize, parser), end="")
+        return 0
     for name in args.ops:
         try:
             op = get_op(name)
@@ -196,6 +237,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
     command = " ".join([prog, shlex.join(args_list)]).strip()
     with _Progress(not args.quiet) as progress:
         doc = run(config, command=command, progress=progress)
+    doc["environment"]["peak_bandwidth_gbs"] = args.peak_gbs
     markdown = to_markdown(doc)
     if args.json == "-":
         print(to_json(doc))

@@ -2,8 +2,9 @@
 
 The Markdown is what ``benchmarks/RESULTS.md`` holds: a title naming the device,
 dtype and input, the exact command that produced it, the environment, one table row
-per op, shape and pass, then the legend (what each column means) and anything not
-measured or failed.
+per op, shape and pass, then the legend (what each column means), anything not
+measured or failed, and the verdicts of issue #6's targets on the rows measured
+(:mod:`normkit.bench.targets`).
 
 Example:
     >>> from normkit.bench.runner import BenchConfig, run
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 
+from . import targets
 from .runner import errors
 
 __all__ = ["NOISY", "columns", "to_markdown", "to_json", "format_ms"]
@@ -199,6 +201,9 @@ def to_markdown(doc: dict) -> str:
     failures = errors(doc)
     if failures:
         lines += ["", "Errors:", ""] + [f"- {failure}" for failure in failures]
+    verdicts = targets.markdown_lines([doc])
+    if verdicts:
+        lines += [""] + verdicts
     return "\n".join(lines) + "\n"
 
 
