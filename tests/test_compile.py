@@ -49,3 +49,134 @@ def test_compiled_path_keeps_the_precision_at_large_offsets():
     x = (torch.randn(32, 64, dtype=torch.float64) + 1e5).float()
     ref = torch.nn.functional.layer_norm(x.double(), (64,))
     assert float((compiled(x).detach().double() - ref).abs().max()) < 1e-4
+
+
+# ------------------------------------------ CPU LayerNorm as one operator (kernels.library)
+
+
+def _recorded_ops():
+    """A torch.compile backend recording the operators of the AOT forward and backward
+    graphs (run unchanged)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    seen: list[str] = []
+
+    def compiler(graph, _inputs):
+        seen.extend(str(node.target) for node in graph.graph.nodes
+                    if node.op == "call_function")
+        return make_boxed_func(graph.forward)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler,
+                                     bw_compiler=compiler)
+
+    return backend, seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_layer_norm_is_one_operator_each_way(dtype):
+    """A compiled CPU LayerNorm records normkit::layer_norm and its backward operator --
+    torch's kernel where accurate, the compensated path elsewhere, inside the operator --
+    and computes exactly what eager mode computes, at any offset."""
+    torch._dynamo.reset()
+    backend, seen = _recorded_ops()
+    eager = normkit.LayerNorm(48).to(dtype)
+    twin = normkit.LayerNorm(48).to(dtype)
+    twin.load_state_dict(eager.state_dict())
+    compiled = torch.compile(twin, fullgraph=True, backend=backend)
+    for offset in (0.0, 1e5):
+        x = (torch.randn(16, 48, dtype=torch.float64) + offset).to(dtype)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = eager(xa), compiled(xb)
+        dy = torch.randn_like(ya)
+        ya.backward(dy)
+        yb.backward(dy)
+        torch.testing.assert_close(yb, ya, rtol=0, atol=0)
+        torch.testing.assert_close(xb.grad, xa.grad, rtol=0, atol=0)
+        for a, b in zip(eager.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+        ref = torch.nn.functional.layer_norm(x.double(), (48,), eager.weight.detach().double(),
+                                             eager.bias.detach().double())
+        assert float((yb.detach().double() - ref).abs().max()) < 1e-4
+    ops = {name for name in seen if name.startswith("normkit.")}
+    assert ops == {"normkit.layer_norm.default", "normkit.layer_norm_backward.default"}, seen
+
+
+def test_compiled_layer_norm_outside_the_operator_takes_the_reference_math():
+    """bfloat16 (and strided) input is not served by the operator: the reference math,
+    still without graph breaks."""
+    torch._dynamo.reset()
+    backend, seen = _recorded_ops()
+    ln = normkit.LayerNorm(32).to(torch.bfloat16)
+    compiled = torch.compile(ln, fullgraph=True, backend=backend)
+    x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    compiled(x).float().sum().backward()
+    assert not any(name.startswith("normkit.") for name in seen)
+    torch.testing.assert_close(compiled(x), ln(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4], ids=["torch-kernel", "compensated"])
+def test_layer_norm_operators_pass_opcheck_and_gradcheck(offset):
+    from torch.library import opcheck
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 8, generator=gen) + offset
+    w, b = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    opcheck(torch.ops.normkit.layer_norm.default, (x, [8], w, b, 1e-5))
+    opcheck(torch.ops.normkit.layer_norm.default,
+            (x.clone().requires_grad_(), [8], None, b.clone().requires_grad_(), 1e-5))
+    _, mean, rstd = torch.ops.normkit.layer_norm(x, [8], w, b, 1e-5)
+    opcheck(torch.ops.normkit.layer_norm_backward.default,
+            (torch.randn(6, 8, generator=gen), x, [8], mean, rstd, w, b, 1e-5,
+             [True, False, True]))
+    leaves = [t.double().requires_grad_() for t in (x, w, b)]
+    assert torch.autograd.gradcheck(
+        lambda a, c, d: torch.ops.normkit.layer_norm(a, [8], c, d, 1e-5)[0], leaves)
+
+
+def test_layer_norm_compiles_with_inductor():
+    """The default backend (Inductor, C++ code generation) runs the operator as an
+    external kernel: same values and gradients as eager mode."""
+    torch._dynamo.reset()
+    ln = normkit.LayerNorm(24)
+    compiled = torch.compile(ln, fullgraph=True)
+    x = torch.randn(10, 24) * 3 + 2
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ln(xa), compiled(xb)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    torch.testing.assert_close(yb, ya, rtol=0, atol=0)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["add_layer_norm", "layer_norm2d_channels_last"])
+def test_compiled_fused_and_channels_last_layer_norms_use_the_operator(case):
+    """AddLayerNorm (the add stays in the graph) and channels-last LayerNorm2d (a view of
+    the operator's output) compile to normkit::layer_norm, with eager mode's results."""
+    torch._dynamo.reset()
+    backend, seen = _recorded_ops()
+    torch.manual_seed(1)
+    if case == "add_layer_norm":
+        eager, twin = normkit.AddLayerNorm(40), normkit.AddLayerNorm(40)
+        inputs = [torch.randn(12, 40) * 2 + 3, torch.randn(12, 40)]
+    else:
+        eager, twin = normkit.LayerNorm2d(6), normkit.LayerNorm2d(6)
+        inputs = [(torch.randn(2, 6, 5, 7) + 4).contiguous(memory_format=torch.channels_last)]
+    twin.load_state_dict(eager.state_dict())
+    compiled = torch.compile(twin, fullgraph=True, backend=backend)
+    a = [t.clone().requires_grad_() for t in inputs]
+    b = [t.clone().requires_grad_() for t in inputs]
+    ya, yb = eager(*a), compiled(*b)
+    outs_a = ya if isinstance(ya, tuple) else (ya,)
+    outs_b = yb if isinstance(yb, tuple) else (yb,)
+    grads = [torch.randn_like(t) for t in outs_a]
+    torch.autograd.backward(outs_a, grads)
+    torch.autograd.backward(outs_b, grads)
+    for got, want in zip(outs_b, outs_a, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for got, want in zip(b, a, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+    assert "normkit.layer_norm.default" in seen, seen
+    if case != "add_layer_norm":
+        assert outs_b[0].is_contiguous(memory_format=torch.channels_last)

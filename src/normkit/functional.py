@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _stats
-from .kernels import channels, native
+from .kernels import channels, library, native
 from .kernels import triton as tk
 from .norms._core import (
     affine_view,
@@ -353,10 +353,14 @@ def layer_norm(
         return _empty_result(input, weight, bias)
     if _use_triton(backend, input, lambda: tk.supports_layer_norm(input, shape, weight, bias)):
         return tk.layer_norm(input, shape, weight, bias, eps)
-    if backend == "auto" and not compiling():
-        y = native.layer_norm(input, shape, weight, bias, eps)
-        if y is not None:
-            return y
+    if backend == "auto":
+        if not compiling():
+            y = native.layer_norm(input, shape, weight, bias, eps)
+            if y is not None:
+                return y
+        elif library.serves_layer_norm(input, weight, bias):
+            # torch.compile: the same path as one opaque operator (kernels.library)
+            return library.layer_norm(input, shape, weight, bias, eps)
     return normalize(input, dims, weight, bias, eps, backend=backend)[0]
 
 
@@ -446,6 +450,10 @@ def layer_norm2d(
                 y = None if y is None else y.movedim(-1, 1).contiguous()
             if y is not None:
                 return y
+    elif backend == "auto" and input.dim() > 1:
+        last = input.movedim(1, -1)  # torch.compile: channels-last input, one operator
+        if library.serves_layer_norm(last, weight, bias):
+            return library.layer_norm(last, (input.shape[1],), weight, bias, eps).movedim(-1, 1)
     return normalize(input, (1,), w, b, eps, backend=backend)[0]
 
 

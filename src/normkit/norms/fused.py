@@ -103,7 +103,7 @@ from torch.nn import functional as TF
 
 from .. import _stats
 from .. import functional as F
-from ..kernels import channels, native
+from ..kernels import channels, library, native
 from ..kernels import triton as tk
 from ._base import BackendMixin
 from ._core import (
@@ -498,6 +498,9 @@ def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual
         dims = tuple(range(s.dim() - len(shape), s.dim()))
         if s.numel() == 0:
             return F._empty_result(s, weight, bias).to(x.dtype), s
+        if center and backend == "auto" and library.serves_layer_norm(s, weight, bias):
+            # torch.compile on the CPU: the add in the graph, the norm one operator
+            return library.layer_norm(s, shape, weight, bias, eps).to(x.dtype), s
         y = reference_normalize(s, dims, weight, bias, eps, center)[0]
         return y.to(x.dtype), s
     if F._use_triton(backend, x, lambda: _triton_serves_add(x, residual, shape, weight, bias,

@@ -1,0 +1,152 @@
+"""normkit's CPU LayerNorm as a torch.library operator, for ``torch.compile``.
+
+Under ``torch.compile`` normkit's ``backend="auto"`` cannot branch on the data (the
+accuracy check of :mod:`normkit.kernels.native` reads a value), so it used to hand
+Inductor the compensated reference math. On the CPU Inductor's LayerNorm is slower than
+torch's ATen kernel (torch 2.13, 2-core VM, 4096 x 1024 float32, forward+backward, one
+thread: compiled ``torch.nn.LayerNorm`` 14.4 ms, normkit compiled on the reference math
+14.4 ms, eager ATen 7.6-8.1 ms). So ``normkit::layer_norm`` wraps the eager fast path
+whole -- torch's kernel, the check, the compensated fallback -- in one opaque operator
+with a fake implementation and a registered autograd formula: a compiled model keeps
+``fullgraph=True``, normkit's precision at any offset, and the eager kernel's speed.
+
+* ``normkit::layer_norm(x, normalized_shape, weight, bias, eps) -> (y, mean, rstd)``:
+  torch's ``native_layer_norm`` when every row's ``|mean| / std`` is at most
+  :data:`~normkit.kernels.native.THRESHOLDS` ``["layer_norm"]``, else normkit's
+  compensated path (then ``mean`` and ``rstd`` are torch's, only used to tell the
+  backward which way to go);
+* ``normkit::layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias,
+  eps, output_mask) -> (dx, dweight, dbias)``: torch's ``native_layer_norm_backward``
+  on the same condition, else the compensated path's hand-derived backward.
+
+Served: contiguous float32/float64 CPU input with parameters of its dtype (elsewhere
+the reference math, as before). A second derivative through the operator is not
+available, as for any graph compiled by AOTAutograd.
+
+Example:
+    >>> x = torch.randn(4, 8)
+    >>> y, mean, rstd = torch.ops.normkit.layer_norm(x, [8], None, None, 1e-5)
+    >>> torch.allclose(y, torch.nn.functional.layer_norm(x, (8,)), atol=1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import native
+
+__all__ = ["serves_layer_norm", "layer_norm"]
+
+_LIB = torch.library.Library("normkit", "FRAGMENT")
+_LIB.define("layer_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
+            "float eps) -> (Tensor, Tensor, Tensor)")
+_LIB.define("layer_norm_backward(Tensor dy, Tensor x, SymInt[] normalized_shape, Tensor mean, "
+            "Tensor rstd, Tensor? weight, Tensor? bias, float eps, bool[3] output_mask) "
+            "-> (Tensor, Tensor, Tensor)")
+
+
+def _accurate(mean: Tensor, rstd: Tensor) -> bool:
+    return native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"])
+
+
+def _compensated(x: Tensor, shape, weight: Tensor | None, bias: Tensor | None, eps: float):
+    from ..norms._core import normalize  # (the package imports this module)
+
+    dims = tuple(range(x.dim() - len(shape), x.dim()))
+    return normalize(x, dims, weight, bias, eps, backend="eager")[0]
+
+
+def _forward(x, normalized_shape, weight, bias, eps):
+    y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    if not _accurate(mean, rstd):
+        with torch.no_grad():
+            y = _compensated(x, normalized_shape, weight, bias, eps)
+    return y, mean, rstd
+
+
+def _forward_fake(x, normalized_shape, weight, bias, eps):
+    stats = tuple(x.shape[:x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
+    return torch.empty_like(x), x.new_empty(stats), x.new_empty(stats)
+
+
+def _backward(dy, x, normalized_shape, mean, rstd, weight, bias, eps, output_mask):
+    if _accurate(mean, rstd):
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy.contiguous(), x, normalized_shape, mean, rstd, weight, bias, output_mask)
+    else:  # the compensated path, recomputed, and its hand-derived backward
+        needs = [need and t is not None
+                 for t, need in zip((x, weight, bias), output_mask, strict=True)]
+        leaves = [None if t is None else t.detach().requires_grad_(need)
+                  for t, need in zip((x, weight, bias), needs, strict=True)]
+        wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
+        with torch.enable_grad():
+            y = _compensated(leaves[0], normalized_shape, leaves[1], leaves[2], eps)
+            got = iter(torch.autograd.grad(y, wanted, dy) if wanted else ())
+        dx, dw, db = (next(got) if need else None for need in needs)
+    return tuple(g if g is not None else x.new_empty(0) for g in (dx, dw, db))
+
+
+def _backward_fake(dy, x, normalized_shape, mean, rstd, weight, bias, eps, output_mask):
+    shapes = (x, weight, bias)
+    return tuple(torch.empty_like(t) if need and t is not None else x.new_empty(0)
+                 for t, need in zip(shapes, output_mask, strict=True))
+
+
+_LIB.impl("layer_norm", _forward, "CompositeExplicitAutograd")
+_LIB.impl("layer_norm_backward", _backward, "CompositeExplicitAutograd")
+torch.library.register_fake("normkit::layer_norm", _forward_fake, lib=_LIB)
+torch.library.register_fake("normkit::layer_norm_backward", _backward_fake, lib=_LIB)
+
+
+def _setup_context(ctx, inputs, output):
+    x, normalized_shape, weight, bias, eps = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, mean, rstd, weight, bias)
+    ctx.normalized_shape, ctx.eps = normalized_shape, eps
+
+
+def _autograd_backward(ctx, dy, _dmean, _drstd):
+    x, mean, rstd, weight, bias = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+            bias is not None and ctx.needs_input_grad[3]]
+    dx, dw, db = torch.ops.normkit.layer_norm_backward(
+        dy, x, ctx.normalized_shape, mean, rstd, weight, bias, ctx.eps, mask)
+    return (dx if mask[0] else None, None, dw if mask[1] else None,
+            db if mask[2] else None, None)
+
+
+torch.library.register_autograd("normkit::layer_norm", _autograd_backward,
+                                setup_context=_setup_context, lib=_LIB)
+
+
+def serves_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """Whether :func:`layer_norm` serves these arguments: contiguous float32/float64 CPU
+    input, parameters of its dtype.
+
+    Example:
+        >>> serves_layer_norm(torch.randn(2, 3), None, None)
+        True
+        >>> serves_layer_norm(torch.randn(2, 3, dtype=torch.bfloat16), None, None)
+        False
+    """
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and x.numel() > 0 and x.is_contiguous()
+            and all(p is None or (p.dtype == x.dtype and p.device == x.device)
+                    for p in (weight, bias)))
+
+
+def layer_norm(x: Tensor, normalized_shape: tuple[int, ...], weight: Tensor | None,
+               bias: Tensor | None, eps: float) -> Tensor:
+    """LayerNorm through the ``normkit::layer_norm`` operator (what ``torch.compile``
+    records for a CPU normkit LayerNorm).
+
+    Example:
+        >>> x = torch.randn(3, 5) + 1e5          # past torch's kernel bound: compensated
+        >>> y = layer_norm(x, (5,), None, None, 1e-5)
+        >>> ref = torch.nn.functional.layer_norm(x.double(), (5,))
+        >>> float((y.double() - ref).abs().max()) < 1e-4
+        True
+    """
+    return torch.ops.normkit.layer_norm(x, list(normalized_shape), weight, bias, eps)[0]
