@@ -77,9 +77,11 @@ def test_json_schema(doc):
     assert doc["settings"]["repeats"] == 2
     assert [(o["op"], o["available"]) for o in doc["ops"]] == [
         ("layer_norm", True), ("batch_norm", True)]
-    assert set(doc["implementations"]) == {"torch", "normkit", "torch.compile", "liger", "apex"}
-    assert doc["implementations"]["torch.compile"] == {
-        "used": False, "reason": "not requested (--compile)"}
+    assert set(doc["implementations"]) == {"torch", "normkit", "torch.compile",
+                                           "normkit.compile", "liger", "apex"}
+    for name in ("torch.compile", "normkit.compile"):
+        assert doc["implementations"][name] == {
+            "used": False, "reason": "not requested (--compile)"}
 
 
 def test_results_cover_every_case_and_pass(doc):
@@ -178,13 +180,15 @@ def test_markdown_extra_columns_for_threads_and_compile(doc):
     multi["environment"]["threads"] = [1, 2]
     for record in multi["results"]:
         record["impls"]["torch.compile"] = dict(record["impls"]["torch"], compile_s=3.5)
+        record["impls"]["normkit.compile"] = dict(record["impls"]["normkit"], compile_s=1.25)
     cols = report.columns(multi)
     assert cols[0] == "threads"
-    assert cols[-5:] == ["torch.compile ms", "torch.compile x", "compile s", "torch MiB",
-                         "normkit MiB"]
+    assert cols[-8:] == ["torch.compile ms", "torch.compile x", "torch.compile 1st s",
+                         "normkit.compile ms", "normkit.compile x", "normkit.compile 1st s",
+                         "torch MiB", "normkit MiB"]
     row = next(line for line in report.to_markdown(multi).splitlines()
                if line.startswith("| 1 | layer_norm"))
-    assert "| 3.5 |" in row  # compile seconds
+    assert "| 3.5 |" in row and "| 1.2 |" in row  # first-call (compile) seconds
 
 
 # --- ops and baselines ----------------------------------------------------------------
@@ -493,3 +497,16 @@ def test_python_m_normkit_bench_lists_the_ops():
     for name in op_names():
         assert f"\n{name} | " in proc.stdout
     assert "permute + torch.nn.LayerNorm + permute" in proc.stdout
+
+
+def test_compile_times_torch_and_normkit_under_torch_compile():
+    """--compile adds torch.compile of both modules: timed, their first call (compile)
+    reported apart, ratios against torch eager."""
+    doc = run(BenchConfig(ops=("layer_norm",), shapes="16x32", compile=True, **TINY))
+    for record in doc["results"]:
+        for name in ("torch.compile", "normkit.compile"):
+            entry = record["impls"][name]
+            assert entry["error"] is None, entry["error"]
+            assert entry["ms"] > 0 and entry["compile_s"] > 0 and entry["ratio"] > 0
+    text = report.to_markdown(doc)
+    assert "normkit.compile 1st s" in text and "not requested" not in text

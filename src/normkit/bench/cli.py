@@ -109,8 +109,8 @@ def build_parser(prog: str = "normkit bench") -> argparse.ArgumentParser:
                         help="seconds one measurement lasts at least; calls repeat to reach it "
                         "(default: 0.002)")
     parser.add_argument("--compile", action="store_true",
-                        help="also time torch.compile of the torch module, reporting its "
-                        "first-call (compile) time separately")
+                        help="also time torch.compile of the torch module and of normkit's, "
+                        "reporting their first-call (compile) time separately")
     parser.add_argument("--copy-mib", type=int, default=256, metavar="MIB",
                         help="buffer size for the copy-bandwidth yardstick (default: 256)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
@@ -179,8 +179,8 @@ def _list_text(device: str) -> str:
         lines.append(f"{op.name} | {op.kind} | {op.normkit_doc} | {op.baseline_doc} | "
                      f"{'available' if reason is None else reason}")
     lines.append("")
-    lines.append("implementations: torch (eager, the reference), normkit, torch.compile "
-                 "(--compile)")
+    lines.append("implementations: torch (eager, the reference), normkit, torch.compile and "
+                 "normkit.compile (--compile)")
     for ext in EXTERNALS:
         reason = ext.status(device)
         covers = ", ".join(ext.classes)

@@ -24,7 +24,7 @@ import json
 import math
 
 from . import targets
-from .runner import errors
+from .runner import COMPILED, errors
 
 __all__ = ["NOISY", "columns", "to_markdown", "to_json", "format_ms"]
 
@@ -65,7 +65,7 @@ def columns(doc: dict) -> list[str]:
     Always ``op, shape, layout, pass, torch ms, normkit ms, normkit x, normkit GB/s,
     % copy, torch MiB, normkit MiB``; ``threads`` first when several thread counts
     ran; ``<impl> ms, <impl> x`` for each other implementation measured, and
-    ``compile s`` with torch.compile.
+    ``<impl> 1st s`` (the first call: compilation) for the compiled ones.
     """
     names = [n for n in _measured(doc) if n not in ("torch", "normkit")]
     head = ["threads"] if len(doc["environment"]["threads"]) > 1 else []
@@ -73,8 +73,8 @@ def columns(doc: dict) -> list[str]:
             "normkit GB/s", "% copy"]
     for name in names:
         cols += [f"{name} ms", f"{name} x"]
-        if name == "torch.compile":
-            cols.append("compile s")
+        if name in COMPILED:
+            cols.append(f"{name} 1st s")
     return [*cols, "torch MiB", "normkit MiB"]
 
 
@@ -111,8 +111,6 @@ def _cells(record: dict, cols: list[str]) -> list[str]:
         "pass": record["pass"],
         "normkit GB/s": "-" if ours.get("gbs") is None else f"{ours['gbs']:.1f}",
         "% copy": "-" if ours.get("pct_copy") is None else f"{ours['pct_copy']:.0f}%",
-        "compile s": "-" if entry("torch.compile").get("compile_s") is None
-        else f"{entry('torch.compile')['compile_s']:.1f}",
         "torch MiB": mib("torch"),
         "normkit MiB": mib("normkit"),
     }
@@ -120,6 +118,9 @@ def _cells(record: dict, cols: list[str]) -> list[str]:
     for col in cols:
         if col in values:
             out.append(values[col])
+        elif col.endswith(" 1st s"):
+            first = entry(col[:-6]).get("compile_s")
+            out.append("-" if first is None else f"{first:.1f}")
         elif col.endswith(" ms"):
             out.append(ms(col[:-3]))
         elif col.endswith(" x"):

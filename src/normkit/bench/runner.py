@@ -6,9 +6,10 @@ One case is an op on one shape at one thread count; it yields one record per pas
 * ``torch``: torch eager, the reference every ratio divides by (for what torch lacks,
   the natural composition, see :mod:`normkit.bench.ops`);
 * ``normkit``: the normkit module, default (``auto``) backend;
-* ``torch.compile``: the torch module under ``torch.compile(dynamic=False)`` (opt-in);
-  the first call of each pass (compile + one run) is reported as ``compile_s`` and
-  kept out of the timings; compile caches are reset per case;
+* ``torch.compile``, ``normkit.compile``: the torch module and the normkit module under
+  ``torch.compile(dynamic=False)`` (opt-in); the first call of each pass (compile + one
+  run) is reported as ``compile_s`` and kept out of the timings; compile caches are
+  reset per case;
 * ``liger``, ``apex``: when importable, with CUDA, for the ops they cover.
 
 An implementation that fails to build or run gets an ``error`` and the others go on.
@@ -74,7 +75,10 @@ INPUTS = {
 _OFFSET = 100.0
 
 #: Implementation names in column order.
-IMPLEMENTATIONS = ("torch", "normkit", "torch.compile", *(ext.name for ext in EXTERNALS))
+IMPLEMENTATIONS = ("torch", "normkit", "torch.compile", "normkit.compile",
+                   *(ext.name for ext in EXTERNALS))
+#: The implementations that run under torch.compile.
+COMPILED = ("torch.compile", "normkit.compile")
 
 Progress = Callable[[int, int, str], None]
 
@@ -93,7 +97,7 @@ class BenchConfig:
         repeats: timed rounds per pass.
         warmup: untimed calls per implementation before the rounds.
         min_time: seconds one measurement lasts at least (calls are repeated to reach it).
-        compile: also time ``torch.compile`` of the torch module.
+        compile: also time ``torch.compile`` of the torch module and of normkit's.
         copy_mib: MiB of the buffer the copy bandwidth is measured on.
         seed: seed of the inputs.
     """
@@ -244,12 +248,13 @@ def environment(config: BenchConfig) -> dict:
 
 def _implementations(config: BenchConfig) -> dict[str, dict]:
     status = {"torch": {"used": True, "reason": None}, "normkit": {"used": True, "reason": None}}
-    if not config.compile:
-        status["torch.compile"] = {"used": False, "reason": "not requested (--compile)"}
-    elif not hasattr(torch, "compile"):
-        status["torch.compile"] = {"used": False, "reason": "this torch has no torch.compile"}
-    else:
-        status["torch.compile"] = {"used": True, "reason": None}
+    for name in COMPILED:
+        if not config.compile:
+            status[name] = {"used": False, "reason": "not requested (--compile)"}
+        elif not hasattr(torch, "compile"):
+            status[name] = {"used": False, "reason": "this torch has no torch.compile"}
+        else:
+            status[name] = {"used": True, "reason": None}
     for ext in EXTERNALS:
         reason = ext.status(config.device)
         status[ext.name] = {"used": reason is None, "reason": reason}
@@ -289,7 +294,7 @@ class _Case:
         dims = self.shape.dims
         if name == "torch":
             module = self.op.baseline(dims)
-        elif name == "normkit":
+        elif name in ("normkit", "normkit.compile"):
             module = self.op.build(self.op.resolve(), dims)
         elif name == "torch.compile":
             module = self.op.baseline(dims)
@@ -300,7 +305,7 @@ class _Case:
                 return None  # this library does not cover the op
             module = build(dims)
         module = module.to(device=self.config.device, dtype=self.dtype).train()
-        return torch.compile(module, dynamic=False) if name == "torch.compile" else module
+        return torch.compile(module, dynamic=False) if name in COMPILED else module
 
     def _wall(self, step: Callable[[], object]) -> float:
         """Wall-clock seconds of one call (the first call: compilation happens on the host)."""
@@ -328,7 +333,7 @@ class _Case:
     def _memory(self, name: str, module: nn.Module, inputs: Sequence[torch.Tensor],
                 step: Callable[[], object]) -> dict | None:
         cuda = self.config.device == "cuda"
-        if name == "torch.compile":  # saved-tensor hooks do not see into compiled graphs
+        if name in COMPILED:  # saved-tensor hooks do not see into compiled graphs
             return {"peak_bytes": measure.cuda_peak_bytes(step), "saved_bytes": None,
                     "output_bytes": None} if cuda else None
         memory = measure.saved_bytes(lambda: _as_tuple(module(*inputs)))
@@ -352,7 +357,7 @@ class _Case:
                 step = self._step(module, inputs, grad)
                 try:
                     first = self._wall(step)
-                    if name == "torch.compile":
+                    if name in COMPILED:
                         entry["compile_s"] = first
                     last = first
                     for _ in range(config.warmup):
