@@ -180,3 +180,65 @@ def test_compiled_fused_and_channels_last_layer_norms_use_the_operator(case):
     assert "normkit.layer_norm.default" in seen, seen
     if case != "add_layer_norm":
         assert outs_b[0].is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("shape,offset", [
+    ((4, 8, 6, 6), 0.0),        # few positions: torch's kernel inside the operator
+    ((4, 8, 6, 6), 1e3),        # ill-conditioned: the compensated path
+    ((8, 16, 48, 48), 0.0),     # the slice-sums engine
+    ((2, 8, 4, 4, 6), 1.0),     # channels_last_3d
+], ids=["torch-kernel", "compensated", "engine", "3d"])
+def test_compiled_channels_last_group_norm_is_one_operator_each_way(shape, offset,
+                                                                      monkeypatch):
+    """Channels-last GroupNorm compiles to normkit::group_norm and its backward operator
+    (explicit backwards, no autograd inside): eager mode's values and gradients, the
+    memory format kept, precision at an offset."""
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 15)  # the engine on a small input
+    torch._dynamo.reset()
+    backend, seen = _recorded_ops()
+    torch.manual_seed(5)
+    eager, twin = normkit.GroupNorm(4, shape[1]), normkit.GroupNorm(4, shape[1])
+    with torch.no_grad():
+        eager.weight.normal_(1.0, 0.3)
+        eager.bias.normal_(0.0, 0.3)
+    twin.load_state_dict(eager.state_dict())
+    compiled = torch.compile(twin, fullgraph=True, backend=backend)
+    layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x = (torch.randn(shape, dtype=torch.float64) * 2 + offset).float()
+    x = x.contiguous(memory_format=layout)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = eager(xa), compiled(xb)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert yb.is_contiguous(memory_format=layout)
+    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-4, atol=1e-5)
+    for a, b in zip(eager.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-4)
+    ref = torch.nn.functional.group_norm(x.double(), 4, eager.weight.detach().double(),
+                                         eager.bias.detach().double())
+    assert float((yb.detach().double() - ref).abs().max()) < 2e-5
+    assert {"normkit.group_norm.default", "normkit.group_norm_backward.default"} <= set(seen)
+
+
+def test_group_norm_operators_pass_opcheck_on_every_path(monkeypatch):
+    from torch.library import opcheck
+
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 12)
+    gen = torch.Generator().manual_seed(6)
+    for shape, offset in (((3, 4, 5, 5), 0.0), ((3, 4, 5, 5), 1e3), ((2, 4, 24, 24), 0.0)):
+        x = (torch.randn(shape, generator=gen) + offset).contiguous(
+            memory_format=torch.channels_last)
+        w, b = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+        dy = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+        opcheck(torch.ops.normkit.group_norm.default, (x, 2, w, b, 1e-5))
+        opcheck(torch.ops.normkit.group_norm.default,
+                (x.clone().requires_grad_(), 2, w.clone().requires_grad_(), None, 1e-5))
+        _, hi, lo, rstd = torch.ops.normkit.group_norm(x, 2, w, b, 1e-5)
+        opcheck(torch.ops.normkit.group_norm_backward.default,
+                (dy, x, 2, hi, lo, rstd, w, b, [True, True, False]))

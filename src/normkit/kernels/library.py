@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import native
+from . import channels, native
 
-__all__ = ["serves_layer_norm", "layer_norm"]
+__all__ = ["serves_layer_norm", "layer_norm", "serves_channels_last", "group_norm"]
 
 _LIB = torch.library.Library("normkit", "FRAGMENT")
 _LIB.define("layer_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
@@ -119,6 +119,172 @@ def _autograd_backward(ctx, dy, _dmean, _drstd):
 
 torch.library.register_autograd("normkit::layer_norm", _autograd_backward,
                                 setup_context=_setup_context, lib=_LIB)
+
+
+# ------------------------------------------------------------ channels-last GroupNorm
+#
+# normkit::group_norm(x, num_groups, weight, bias, eps) -> (y, mean_hi, mean_lo, rstd),
+# statistics (N, G). The eager choice for channels-last input, made once in the forward:
+#   torch's kernel (fewer than channels.GROUP_NORM_MIN_POSITIONS positions, ratio <= 2),
+#   the slice-sums engine (from there up, where it serves, ratio <= 2),
+#   else the compensated path on an NCHW copy (mean as a hi/lo pair).
+# The backward operator takes the matching explicit backward -- torch's GroupNorm backward
+# kernel, channels.backward, normalize_backward -- from the saved statistics: no autograd
+# inside an operator, so it also runs under dispatch modes (opcheck, FlopCounterMode).
+# (Given accurate statistics with ratio <= 2, each of the first two is accurate; the
+# backward re-checks the ratio on the statistics it receives.)
+
+_LIB.define("group_norm(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("group_norm_backward(Tensor dy, Tensor x, int num_groups, Tensor mean_hi, "
+            "Tensor mean_lo, Tensor rstd, Tensor? weight, Tensor? bias, bool[3] output_mask) "
+            "-> (Tensor, Tensor, Tensor)")
+
+
+def _channels_last_format(x: Tensor) -> torch.memory_format:
+    return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+
+
+def _grouped_view(x: Tensor, groups: int) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
+    """``(N, G, C/G, *)`` view of NCHW ``x``, its reduced dims and the parameters' view."""
+    grouped = x.unflatten(1, (groups, x.shape[1] // groups))
+    pview = (1, groups, x.shape[1] // groups) + (1,) * (x.dim() - 2)
+    return grouped, tuple(range(2, grouped.dim())), pview
+
+
+def _view(t: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
+    return None if t is None else t.view(shape)
+
+
+def _group_norm_forward(x, num_groups, weight, bias, eps):
+    from ..norms._core import normalize_forward
+
+    n, c = x.shape[:2]
+    positions, cpg = x[0, 0].numel(), c // num_groups
+    zeros = x.new_zeros(n, num_groups)
+    if positions < channels.GROUP_NORM_MIN_POSITIONS:
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, positions, num_groups,
+                                                eps)
+        if native.well_conditioned(mean, rstd, channels.RATIO):
+            return y, mean, zeros, rstd
+    elif channels.supports(x, weight, bias):
+        stats = channels.moments(x, channels.Pool("group", num_groups), eps)
+        if stats is not None:
+            mean, _, rstd = stats  # (N, C): each group's value repeated over its channels
+            y = channels.affine(x, mean, rstd, weight, bias)
+            return y, mean[:, ::cpg].contiguous(), zeros, rstd[:, ::cpg].contiguous()
+    grouped, dims, pview = _grouped_view(x.contiguous(), num_groups)
+    y, mean_hi, mean_lo, _, rstd = normalize_forward(grouped, dims, _view(weight, pview),
+                                                     _view(bias, pview), eps)
+    y = y.flatten(1, 2).contiguous(memory_format=_channels_last_format(x))
+    return (y, *(t.reshape(n, num_groups).to(x.dtype) for t in (mean_hi, mean_lo, rstd)))
+
+
+def _group_norm_forward_fake(x, num_groups, weight, bias, eps):
+    stats = tuple(x.new_empty(x.shape[0], num_groups) for _ in range(3))
+    return (torch.empty_like(x), *stats)
+
+
+def _group_norm_backward(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias,
+                         output_mask):
+    from ..norms._core import normalize_backward
+
+    n, c = x.shape[:2]
+    positions, cpg = x[0, 0].numel(), c // num_groups
+    mean = mean_hi + mean_lo
+    mask = [output_mask[0], output_mask[1] and weight is not None,
+            output_mask[2] and bias is not None]
+    accurate = native.well_conditioned(mean, rstd, channels.RATIO)
+    layout = _channels_last_format(x)
+    if accurate and positions < channels.GROUP_NORM_MIN_POSITIONS:
+        grads = torch.ops.aten.native_group_norm_backward(
+            dy.contiguous(memory_format=layout), x, mean, rstd, weight, n, c, positions,
+            num_groups, mask)
+    elif accurate and channels.supports(x, weight, bias):
+        grads = channels.backward(dy, x, mean.repeat_interleave(cpg, 1),
+                                  rstd.repeat_interleave(cpg, 1), weight,
+                                  channels.Pool("group", num_groups), mask)
+    else:  # the compensated path's backward, on NCHW copies
+        grouped, dims, pview = _grouped_view(x.contiguous(), num_groups)
+        stat_view = (n, num_groups) + (1,) * len(dims)
+        dx, dw, db = normalize_backward(
+            dy.contiguous().view(grouped.shape), grouped, _view(weight, pview),
+            _view(bias, pview), mean_hi.view(stat_view), mean_lo.view(stat_view),
+            rstd.view(stat_view), dims, True, mask)
+        grads = (None if dx is None else dx.flatten(1, 2).contiguous(memory_format=layout),
+                 None if dw is None else dw.view(c), None if db is None else db.view(c))
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+def _group_norm_backward_fake(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias,
+                              output_mask):
+    return _grads_fake(x, weight, bias, output_mask)
+
+
+def _grads_fake(x, weight, bias, output_mask):
+    return tuple(torch.empty_like(t) if need and t is not None else x.new_empty(0)
+                 for t, need in zip((x, weight, bias), output_mask, strict=True))
+
+
+_LIB.impl("group_norm", _group_norm_forward, "CompositeExplicitAutograd")
+_LIB.impl("group_norm_backward", _group_norm_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("normkit::group_norm", _group_norm_forward_fake, lib=_LIB)
+torch.library.register_fake("normkit::group_norm_backward", _group_norm_backward_fake,
+                            lib=_LIB)
+
+
+def _group_norm_setup(ctx, inputs, output):
+    x, num_groups, weight, bias, _eps = inputs
+    _, mean_hi, mean_lo, rstd = output
+    ctx.save_for_backward(x, mean_hi, mean_lo, rstd, weight, bias)
+    ctx.num_groups = num_groups
+    ctx.mark_non_differentiable(mean_hi, mean_lo, rstd)
+
+
+def _group_norm_autograd(ctx, dy, *_stat_grads):
+    x, mean_hi, mean_lo, rstd, weight, bias = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+            bias is not None and ctx.needs_input_grad[3]]
+    dx, dw, db = torch.ops.normkit.group_norm_backward(dy, x, ctx.num_groups, mean_hi,
+                                                       mean_lo, rstd, weight, bias, mask)
+    return (dx if mask[0] else None, None, dw if mask[1] else None,
+            db if mask[2] else None, None)
+
+
+torch.library.register_autograd("normkit::group_norm", _group_norm_autograd,
+                                setup_context=_group_norm_setup, lib=_LIB)
+
+
+def serves_channels_last(x: Tensor, *params: Tensor | None) -> bool:
+    """Whether the channels-last operators serve these arguments: float32/float64 CPU
+    input in channels_last (4D) or channels_last_3d (5D) memory format (and not also
+    NCHW-contiguous), parameters of its dtype.
+
+    Example:
+        >>> x = torch.randn(2, 4, 8, 8).contiguous(memory_format=torch.channels_last)
+        >>> serves_channels_last(x), serves_channels_last(x.contiguous())
+        (True, False)
+    """
+    layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return (layout is not None and x.device.type == "cpu" and x.numel() > 0
+            and x.dtype in (torch.float32, torch.float64)
+            and x.is_contiguous(memory_format=layout) and not x.is_contiguous()
+            and all(p is None or (p.dtype == x.dtype and p.device == x.device)
+                    for p in params))
+
+
+def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None,
+               eps: float) -> Tensor:
+    """Channels-last GroupNorm through the ``normkit::group_norm`` operator (what
+    ``torch.compile`` records for it).
+
+    Example:
+        >>> x = torch.randn(2, 4, 5, 5).contiguous(memory_format=torch.channels_last)
+        >>> y = group_norm(x, 2, None, None, 1e-5)
+        >>> torch.allclose(y, torch.nn.functional.group_norm(x, 2), atol=1e-5)
+        True
+    """
+    return torch.ops.normkit.group_norm(x, int(num_groups), weight, bias, float(eps))[0]
 
 
 def serves_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:

@@ -133,53 +133,97 @@ class NormalizeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dims, eps, center):
-        xc = _stats.upcast(x)
-        if center:
-            m = _stats.moments(xc, dims)
-            mean_hi, mean_lo, var = m.mean_hi, m.mean_lo, m.var
-            rstd = torch.rsqrt(var + eps)
-            y = m.shifted.sub_(m.mean_lo).mul_(rstd)  # in place on the shifted temporary
-        else:
-            var = _stats.mean_square(xc, dims)
-            mean_hi = mean_lo = torch.zeros_like(var)
-            rstd = torch.rsqrt(var + eps)
-            y = xc * rstd  # one pass, no copy of the input first
-        if weight is not None:
-            y.mul_(weight)
-        if bias is not None:
-            y.add_(bias)
+        y, mean_hi, mean_lo, var, rstd = normalize_forward(x, dims, weight, bias, eps, center)
         ctx.dims, ctx.eps, ctx.center = tuple(dims), eps, center
         ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
         mean = mean_hi + mean_lo
         ctx.mark_non_differentiable(mean, var)
-        return y.to(x.dtype), mean, var
+        return y, mean, var
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
         x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():
             return _double_differentiable_backward(ctx, dy, x, weight, bias)
-        dims, center = ctx.dims, ctx.center
+        grads = normalize_backward(dy, x, weight, bias, mean_hi, mean_lo, rstd, ctx.dims,
+                                   ctx.center, ctx.needs_input_grad[:3])
+        return (*grads, None, None, None)
+
+
+def normalize_forward(x: Tensor, dims: Sequence[int], weight: Tensor | None,
+                      bias: Tensor | None, eps: float, center: bool = True,
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(y, mean_hi, mean_lo, var, rstd)``: :class:`NormalizeFunction`'s forward, no
+    autograd (``y`` in ``x``'s dtype, statistics keepdim in the compute dtype; without
+    centering the mean pair is zeros).
+
+    Example:
+        >>> x = torch.randn(4, 8) + 1e4
+        >>> y, hi, lo, var, rstd = normalize_forward(x, (1,), None, None, 1e-5)
+        >>> torch.allclose(y.double(), torch.nn.functional.layer_norm(x.double(), (8,)).double(),
+        ...                atol=1e-5)
+        True
+    """
+    xc = _stats.upcast(x)
+    if center:
+        m = _stats.moments(xc, dims)
+        mean_hi, mean_lo, var = m.mean_hi, m.mean_lo, m.var
+        rstd = torch.rsqrt(var + eps)
+        y = m.shifted.sub_(m.mean_lo).mul_(rstd)  # in place on the shifted temporary
+    else:
+        var = _stats.mean_square(xc, dims)
+        mean_hi = mean_lo = torch.zeros_like(var)
+        rstd = torch.rsqrt(var + eps)
+        y = xc * rstd  # one pass, no copy of the input first
+    if weight is not None:
+        y.mul_(weight)
+    if bias is not None:
+        y.add_(bias)
+    return y.to(x.dtype), mean_hi, mean_lo, var, rstd
+
+
+def normalize_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                       mean_hi: Tensor, mean_lo: Tensor, rstd: Tensor, dims: Sequence[int],
+                       center: bool, needs: Sequence[bool],
+                       ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dx, dweight, dbias)`` of :class:`NormalizeFunction` from its saved statistics.
+
+    ``mean_hi + mean_lo`` is the compensated mean (keepdim shapes), ``weight``/``bias``
+    are viewed to broadcast; ``needs`` says which gradients to compute (``None`` for the
+    others). Plain tensor arithmetic, no autograd: torch.library operators call it too.
+
+    Example:
+        >>> x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+        >>> y = torch.nn.functional.layer_norm(x, (8,))
+        >>> dy = torch.randn_like(y)
+        >>> y.backward(dy)
+        >>> xd = x.detach()
+        >>> mean, rstd = xd.mean(1, keepdim=True), (xd.var(1, False, keepdim=True) + 1e-5).rsqrt()
+        >>> dx, _, _ = normalize_backward(dy, xd, None, None, mean, torch.zeros_like(mean),
+        ...                               rstd, (1,), True, (True, False, False))
+        >>> torch.allclose(dx, x.grad)
+        True
+    """
+    need_x, need_w, need_b = needs
+    if center:
+        xhat = (_stats.upcast(x) - mean_hi).sub_(mean_lo).mul_(rstd)
+    else:
+        xhat = _stats.upcast(x) * rstd
+    g = _stats.upcast(dy)
+    dx = dw = db = None
+    if need_w and weight is not None:
+        dw = (g * xhat).sum_to_size(weight.shape).to(weight.dtype)
+    if need_b and bias is not None:
+        db = g.sum_to_size(bias.shape).to(bias.dtype)
+    if need_x:
+        if weight is not None:
+            g = g * weight
+        proj = (g * xhat).mean(tuple(dims), keepdim=True)
+        dx = g - xhat.mul_(proj)
         if center:
-            xhat = (_stats.upcast(x) - mean_hi).sub_(mean_lo).mul_(rstd)
-        else:
-            xhat = _stats.upcast(x) * rstd
-        g = _stats.upcast(dy)
-        dx = dw = db = None
-        if need_w:
-            dw = (g * xhat).sum_to_size(weight.shape).to(weight.dtype)
-        if need_b:
-            db = g.sum_to_size(bias.shape).to(bias.dtype)
-        if need_x:
-            if weight is not None:
-                g = g * weight
-            proj = (g * xhat).mean(dims, keepdim=True)
-            dx = g - xhat.mul_(proj)
-            if center:
-                dx = dx.sub_(g.mean(dims, keepdim=True))
-            dx = dx.mul_(rstd).to(x.dtype)
-        return dx, dw, db, None, None, None
+            dx = dx.sub_(g.mean(tuple(dims), keepdim=True))
+        dx = dx.mul_(rstd).to(x.dtype)
+    return dx, dw, db
 
 
 def _double_differentiable_backward(ctx, dy, x, weight, bias):
