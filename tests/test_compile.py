@@ -242,3 +242,71 @@ def test_group_norm_operators_pass_opcheck_on_every_path(monkeypatch):
         _, hi, lo, rstd = torch.ops.normkit.group_norm(x, 2, w, b, 1e-5)
         opcheck(torch.ops.normkit.group_norm_backward.default,
                 (dy, x, 2, hi, lo, rstd, w, b, [True, True, False]))
+
+
+@pytest.mark.parametrize("shape,offset,biased", [
+    ((8, 6, 5, 5), 0.0, False),       # torch's kernel inside the operator
+    ((8, 6, 5, 5), 1e3, True),        # ill-conditioned: compensated
+    ((16, 6, 24, 24), 0.5, False),    # > 8192 values per channel: the slice-sums engine
+    ((4, 6, 2, 3, 4), 1.0, False),    # channels_last_3d
+], ids=["torch-kernel", "compensated", "engine", "3d"])
+def test_compiled_channels_last_batch_norm_is_one_operator_each_way(shape, offset, biased,
+                                                                      monkeypatch):
+    """Channels-last training BatchNorm compiles to normkit::batch_norm_train and its
+    backward operator; the running statistics are updated in the graph from the batch
+    statistics it returns: eager mode's values, gradients and buffers."""
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 15)
+    torch._dynamo.reset()
+    backend, seen = _recorded_ops()
+    torch.manual_seed(7)
+    make = normkit.BatchNorm2d if len(shape) == 4 else normkit.BatchNorm3d
+    eager = make(6, unbiased_running_var=not biased)
+    twin = make(6, unbiased_running_var=not biased)
+    with torch.no_grad():
+        eager.weight.normal_(1.0, 0.3)
+        eager.bias.normal_(0.0, 0.3)
+    twin.load_state_dict(eager.state_dict())
+    compiled = torch.compile(twin, fullgraph=True, backend=backend)
+    layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    for step in range(2):
+        x = (torch.randn(shape, dtype=torch.float64) * 2 + offset + step).float()
+        x = x.contiguous(memory_format=layout)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = eager(xa), compiled(xb)
+        dy = torch.randn_like(ya)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert yb.is_contiguous(memory_format=layout)
+        torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-4, atol=1e-5)
+        for a, b in zip(eager.parameters(), twin.parameters(), strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-4)
+    for (name, a), b in zip(eager.named_buffers(), twin.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+    assert {"normkit.batch_norm_train.default",
+            "normkit.batch_norm_train_backward.default"} <= set(seen), seen
+
+
+def test_batch_norm_operators_pass_opcheck_on_every_path(monkeypatch):
+    from torch.library import opcheck
+
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 12)
+    gen = torch.Generator().manual_seed(8)
+    for shape, offset in (((8, 4, 5, 5), 0.0), ((8, 4, 5, 5), 1e3), ((16, 4, 24, 24), 0.0)):
+        x = (torch.randn(shape, generator=gen) + offset).contiguous(
+            memory_format=torch.channels_last)
+        w, b = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
+        dy = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+        # (weight/bias gradients are sums over N*H*W values: AOT hands the backward its
+        # gradient in another memory format, so they are summed in another order)
+        sums = dict(rtol=1e-5, atol=1e-4)
+        opcheck(torch.ops.normkit.batch_norm_train.default, (x, w, b, 1e-5), **sums)
+        opcheck(torch.ops.normkit.batch_norm_train.default,
+                (x.clone().requires_grad_(), w.clone().requires_grad_(), None, 1e-5), **sums)
+        _, hi, lo, rstd, _ = torch.ops.normkit.batch_norm_train(x, w, b, 1e-5)
+        opcheck(torch.ops.normkit.batch_norm_train_backward.default,
+                (dy, x, hi, lo, rstd, w, 1e-5, [True, True, False]))

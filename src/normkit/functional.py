@@ -196,6 +196,10 @@ def batch_norm(
     if _use_triton(backend, input, lambda: tk.supports_batch_norm(
             input, weight, bias, running_mean, running_var)):
         y, mean, var = tk.batch_norm_train(input, weight, bias, eps)
+    elif backend == "auto" and compiling() and library.serves_channels_last(input, weight,
+                                                                            bias):
+        # torch.compile: the channels-last paths as one operator (kernels.library)
+        y, mean, var = library.batch_norm_train(input, weight, bias, eps)
     else:
         fast = None
         if backend == "auto" and not compiling() and channels.serves_batch_norm(input):

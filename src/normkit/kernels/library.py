@@ -37,7 +37,8 @@ from torch import Tensor
 
 from . import channels, native
 
-__all__ = ["serves_layer_norm", "layer_norm", "serves_channels_last", "group_norm"]
+__all__ = ["serves_layer_norm", "layer_norm", "serves_channels_last", "group_norm",
+           "batch_norm_train"]
 
 _LIB = torch.library.Library("normkit", "FRAGMENT")
 _LIB.define("layer_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
@@ -253,6 +254,134 @@ def _group_norm_autograd(ctx, dy, *_stat_grads):
 
 torch.library.register_autograd("normkit::group_norm", _group_norm_autograd,
                                 setup_context=_group_norm_setup, lib=_LIB)
+
+
+# ------------------------------------------- channels-last BatchNorm, training mode
+#
+# normkit::batch_norm_train(x, weight, bias, eps) -> (y, mean_hi, mean_lo, rstd, var),
+# per-channel statistics, ``var`` biased (the caller updates its running statistics from
+# mean_hi + mean_lo and var: an operator with a registered backward cannot mutate its
+# inputs). The eager choice for channels-last input: torch's kernel up to
+# native.CHANNELS_LAST_MAX_COUNT values per channel (ratio <= 2), the slice-sums engine
+# beyond, else the compensated path. Backwards as for GroupNorm above.
+
+_LIB.define("batch_norm_train(Tensor x, Tensor? weight, Tensor? bias, float eps) "
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("batch_norm_train_backward(Tensor dy, Tensor x, Tensor mean_hi, Tensor mean_lo, "
+            "Tensor rstd, Tensor? weight, float eps, bool[3] output_mask) "
+            "-> (Tensor, Tensor, Tensor)")
+
+_BATCH_DIMS = {4: (0, 2, 3), 5: (0, 2, 3, 4)}
+
+
+def _batch_norm_train(x, weight, bias, eps):
+    from ..norms._core import normalize_forward
+
+    c = x.shape[1]
+    count = x.numel() // c
+    zeros = x.new_zeros(c)
+    if count <= native.CHANNELS_LAST_MAX_COUNT:
+        y, mean, rstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
+        if native.well_conditioned(mean, rstd,
+                                   native.THRESHOLDS["batch_norm_channels_last_train"]):
+            # the kernel's variance back from its rstd (float64: ~1e-7 relative), no pass
+            var = (rstd.double().pow(-2) - eps).clamp_(min=0.0).to(x.dtype)
+            return y, mean, zeros, rstd, var
+    elif channels.supports(x, weight, bias):
+        stats = channels.moments(x, channels.Pool("batch"), eps)
+        if stats is not None:
+            mean, var, rstd = stats  # (1, C)
+            y = channels.affine(x, mean, rstd, weight, bias)
+            return y, mean.view(c), zeros, rstd.view(c), var.view(c)
+    view = (1, c) + (1,) * (x.dim() - 2)
+    y, mean_hi, mean_lo, var, rstd = normalize_forward(x, _BATCH_DIMS[x.dim()],
+                                                       _view(weight, view), _view(bias, view),
+                                                       eps)
+    return (y, *(t.reshape(c).to(x.dtype) for t in (mean_hi, mean_lo, rstd, var)))
+
+
+def _batch_norm_train_fake(x, weight, bias, eps):
+    return (torch.empty_like(x), *(x.new_empty(x.shape[1]) for _ in range(4)))
+
+
+def _batch_norm_train_backward(dy, x, mean_hi, mean_lo, rstd, weight, eps, output_mask):
+    from ..norms._core import normalize_backward
+
+    c = x.shape[1]
+    count = x.numel() // c
+    mean = mean_hi + mean_lo
+    mask = [output_mask[0], output_mask[1] and weight is not None, output_mask[2]]
+    accurate = native.well_conditioned(mean, rstd,
+                                       native.THRESHOLDS["batch_norm_channels_last_train"])
+    if accurate and count <= native.CHANNELS_LAST_MAX_COUNT:
+        grads = torch.ops.aten.native_batch_norm_backward(
+            dy.contiguous(memory_format=_channels_last_format(x)), x, weight, None, None,
+            mean, rstd, True, eps, mask)
+    elif accurate and channels.supports(x, weight):
+        grads = channels.backward(dy, x, mean.view(1, c), rstd.view(1, c), weight,
+                                  channels.Pool("batch"), mask)
+    else:  # the compensated path's backward (dbias is sum dy, whatever the bias)
+        view, dims = (1, c) + (1,) * (x.dim() - 2), _BATCH_DIMS[x.dim()]
+        dx, dw, _ = normalize_backward(dy, x, _view(weight, view), None, mean_hi.view(view),
+                                       mean_lo.view(view), rstd.view(view), dims, True,
+                                       (mask[0], mask[1], False))
+        db = dy.sum(dims).to(x.dtype) if mask[2] else None
+        grads = (dx, None if dw is None else dw.view(c), db)
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+def _batch_norm_train_backward_fake(dy, x, mean_hi, mean_lo, rstd, weight, eps, output_mask):
+    c = x.shape[1]
+    return (torch.empty_like(x) if output_mask[0] else x.new_empty(0),
+            x.new_empty(c) if output_mask[1] and weight is not None else x.new_empty(0),
+            x.new_empty(c) if output_mask[2] else x.new_empty(0))
+
+
+_LIB.impl("batch_norm_train", _batch_norm_train, "CompositeExplicitAutograd")
+_LIB.impl("batch_norm_train_backward", _batch_norm_train_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("normkit::batch_norm_train", _batch_norm_train_fake, lib=_LIB)
+torch.library.register_fake("normkit::batch_norm_train_backward",
+                            _batch_norm_train_backward_fake, lib=_LIB)
+
+
+def _batch_norm_setup(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    _, mean_hi, mean_lo, rstd, var = output
+    ctx.save_for_backward(x, mean_hi, mean_lo, rstd, weight)
+    ctx.eps, ctx.has_bias = eps, bias is not None
+    ctx.mark_non_differentiable(mean_hi, mean_lo, rstd, var)
+
+
+def _batch_norm_autograd(ctx, dy, *_stat_grads):
+    x, mean_hi, mean_lo, rstd, weight = ctx.saved_tensors
+    mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
+            ctx.has_bias and ctx.needs_input_grad[2]]
+    dx, dw, db = torch.ops.normkit.batch_norm_train_backward(dy, x, mean_hi, mean_lo, rstd,
+                                                             weight, ctx.eps, mask)
+    return (dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None, None)
+
+
+torch.library.register_autograd("normkit::batch_norm_train", _batch_norm_autograd,
+                                setup_context=_batch_norm_setup, lib=_LIB)
+
+
+def batch_norm_train(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Channels-last training-mode BatchNorm through the ``normkit::batch_norm_train``
+    operator: ``(y, batch mean, biased batch variance)``; the running statistics are the
+    caller's to update.
+
+    Example:
+        >>> x = torch.randn(8, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+        >>> y, mean, var = batch_norm_train(x, None, None, 1e-5)
+        >>> torch.allclose(mean, x.mean((0, 2, 3)), atol=1e-6)
+        True
+        >>> torch.allclose(var, x.var((0, 2, 3), unbiased=False), atol=1e-5)
+        True
+    """
+    y, mean_hi, mean_lo, _, var = torch.ops.normkit.batch_norm_train(x, weight, bias,
+                                                                     float(eps))
+    return y, mean_hi + mean_lo, var
 
 
 def serves_channels_last(x: Tensor, *params: Tensor | None) -> bool:
