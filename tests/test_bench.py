@@ -502,7 +502,10 @@ def test_python_m_normkit_bench_lists_the_ops():
 def test_compile_times_torch_and_normkit_under_torch_compile():
     """--compile adds torch.compile of both modules: timed, their first call (compile)
     reported apart, ratios against torch eager."""
-    doc = run(BenchConfig(ops=("layer_norm",), shapes="16x32", compile=True, **TINY))
+    from torch._inductor.utils import fresh_inductor_cache
+
+    with fresh_inductor_cache():  # (never a graph cached for another normkit version)
+        doc = run(BenchConfig(ops=("layer_norm",), shapes="16x32", compile=True, **TINY))
     for record in doc["results"]:
         for name in ("torch.compile", "normkit.compile"):
             entry = record["impls"][name]

@@ -1,31 +1,46 @@
-"""normkit's CPU LayerNorm as a torch.library operator, for ``torch.compile``.
+"""normkit's CPU fast paths as torch.library operators, for ``torch.compile``.
 
 Under ``torch.compile`` normkit's ``backend="auto"`` cannot branch on the data (the
-accuracy check of :mod:`normkit.kernels.native` reads a value), so it used to hand
-Inductor the compensated reference math. On the CPU Inductor's LayerNorm is slower than
-torch's ATen kernel (torch 2.13, 2-core VM, 4096 x 1024 float32, forward+backward, one
-thread: compiled ``torch.nn.LayerNorm`` 14.4 ms, normkit compiled on the reference math
-14.4 ms, eager ATen 7.6-8.1 ms). So ``normkit::layer_norm`` wraps the eager fast path
-whole -- torch's kernel, the check, the compensated fallback -- in one opaque operator
-with a fake implementation and a registered autograd formula: a compiled model keeps
-``fullgraph=True``, normkit's precision at any offset, and the eager kernel's speed.
+accuracy checks of :mod:`normkit.kernels.native` read a value), so it used to hand
+Inductor the compensated reference math. On the CPU that is slower than normkit's eager
+paths, and for LayerNorm Inductor's kernel is slower than torch's ATen kernel too
+(table 3 of ``benchmarks/RESULTS.md``). So the eager choice is wrapped whole -- torch's
+kernel under its accuracy bound, normkit's engine, the compensated fallback -- in one
+opaque operator per direction, with a fake implementation and a registered autograd
+formula: a compiled model keeps ``fullgraph=True``, normkit's precision at any offset
+and the eager paths' speed.
 
-* ``normkit::layer_norm(x, normalized_shape, weight, bias, eps) -> (y, mean, rstd)``:
-  torch's ``native_layer_norm`` when every row's ``|mean| / std`` is at most
-  :data:`~normkit.kernels.native.THRESHOLDS` ``["layer_norm"]``, else normkit's
-  compensated path (then ``mean`` and ``rstd`` are torch's, only used to tell the
-  backward which way to go);
-* ``normkit::layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight, bias,
-  eps, output_mask) -> (dx, dweight, dbias)``: torch's ``native_layer_norm_backward``
-  on the same condition, else the compensated path's hand-derived backward.
+* ``normkit::layer_norm(x, normalized_shape, weight, bias, eps)`` (contiguous input)
+  ``-> (y, mean_hi, mean_lo, rstd)``: torch's ``native_layer_norm`` when every row's
+  ``|mean| / std`` is within :data:`~normkit.kernels.native.THRESHOLDS`, else normkit's
+  compensated path (the mean as a hi/lo pair);
+* ``normkit::group_norm`` (channels-last input) ``-> (y, mean_hi, mean_lo, rstd)`` per
+  ``(N, G)``: torch's kernel below :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS`
+  positions, the slice-sums engine above, the compensated path on an NCHW copy;
+* ``normkit::batch_norm_train`` (channels-last input) ``-> (y, mean_hi, mean_lo, rstd,
+  var)`` per channel, ``var`` biased: torch's kernel up to
+  :data:`~normkit.kernels.native.CHANNELS_LAST_MAX_COUNT` values per channel, the engine
+  beyond, the compensated path; the caller updates its running statistics from the batch
+  statistics in the graph (an operator with a registered backward cannot mutate its
+  inputs);
+* each has a ``*_backward`` operator taking the saved statistics: torch's backward
+  kernel, :func:`normkit.kernels.channels.backward` or
+  :func:`normkit.norms._core.normalize_backward`, re-checking the ratio on the
+  statistics it receives (given accurate statistics within the bound, each is accurate).
+  No autograd runs inside an operator, so they also run under dispatch modes
+  (``torch.library.opcheck``, ``FlopCounterMode``).
 
-Served: contiguous float32/float64 CPU input with parameters of its dtype (elsewhere
-the reference math, as before). A second derivative through the operator is not
-available, as for any graph compiled by AOTAutograd.
+Served: float32/float64 CPU input with parameters of its dtype (elsewhere, and for
+layouts not listed, the reference math as before). A second derivative through the
+operators is not available, as for any graph compiled by AOTAutograd.
+
+A schema, once released, is frozen: a change takes a new operator name, because
+Inductor's on-disk graph cache does not key on custom operators' schemas (measured: a
+graph cached before a schema change called the operator with the old arguments).
 
 Example:
     >>> x = torch.randn(4, 8)
-    >>> y, mean, rstd = torch.ops.normkit.layer_norm(x, [8], None, None, 1e-5)
+    >>> y, mean_hi, mean_lo, rstd = torch.ops.normkit.layer_norm(x, [8], None, None, 1e-5)
     >>> torch.allclose(y, torch.nn.functional.layer_norm(x, (8,)), atol=1e-6)
     True
 """
@@ -42,84 +57,85 @@ __all__ = ["serves_layer_norm", "layer_norm", "serves_channels_last", "group_nor
 
 _LIB = torch.library.Library("normkit", "FRAGMENT")
 _LIB.define("layer_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
-            "float eps) -> (Tensor, Tensor, Tensor)")
-_LIB.define("layer_norm_backward(Tensor dy, Tensor x, SymInt[] normalized_shape, Tensor mean, "
-            "Tensor rstd, Tensor? weight, Tensor? bias, float eps, bool[3] output_mask) "
-            "-> (Tensor, Tensor, Tensor)")
+            "float eps) -> (Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("layer_norm_backward(Tensor dy, Tensor x, SymInt[] normalized_shape, "
+            "Tensor mean_hi, Tensor mean_lo, Tensor rstd, Tensor? weight, Tensor? bias, "
+            "bool[3] output_mask) -> (Tensor, Tensor, Tensor)")
 
 
-def _accurate(mean: Tensor, rstd: Tensor) -> bool:
-    return native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"])
+def _row_dims(x: Tensor, shape) -> tuple[int, ...]:
+    return tuple(range(x.dim() - len(shape), x.dim()))
 
 
-def _compensated(x: Tensor, shape, weight: Tensor | None, bias: Tensor | None, eps: float):
-    from ..norms._core import normalize  # (the package imports this module)
+def _layer_norm(x, normalized_shape, weight, bias, eps):
+    from ..norms._core import normalize_forward
 
-    dims = tuple(range(x.dim() - len(shape), x.dim()))
-    return normalize(x, dims, weight, bias, eps, backend="eager")[0]
-
-
-def _forward(x, normalized_shape, weight, bias, eps):
     y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-    if not _accurate(mean, rstd):
-        with torch.no_grad():
-            y = _compensated(x, normalized_shape, weight, bias, eps)
-    return y, mean, rstd
+    if native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
+        return y, mean, torch.zeros_like(mean), rstd
+    y, mean_hi, mean_lo, _, rstd = normalize_forward(x, _row_dims(x, normalized_shape),
+                                                     weight, bias, eps)
+    return y, *(t.to(mean.dtype) for t in (mean_hi, mean_lo, rstd))
 
 
-def _forward_fake(x, normalized_shape, weight, bias, eps):
+def _layer_norm_fake(x, normalized_shape, weight, bias, eps):
     stats = tuple(x.shape[:x.dim() - len(normalized_shape)]) + (1,) * len(normalized_shape)
-    return torch.empty_like(x), x.new_empty(stats), x.new_empty(stats)
+    return (torch.empty_like(x), *(x.new_empty(stats) for _ in range(3)))
 
 
-def _backward(dy, x, normalized_shape, mean, rstd, weight, bias, eps, output_mask):
-    if _accurate(mean, rstd):
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy.contiguous(), x, normalized_shape, mean, rstd, weight, bias, output_mask)
-    else:  # the compensated path, recomputed, and its hand-derived backward
-        needs = [need and t is not None
-                 for t, need in zip((x, weight, bias), output_mask, strict=True)]
-        leaves = [None if t is None else t.detach().requires_grad_(need)
-                  for t, need in zip((x, weight, bias), needs, strict=True)]
-        wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
-        with torch.enable_grad():
-            y = _compensated(leaves[0], normalized_shape, leaves[1], leaves[2], eps)
-            got = iter(torch.autograd.grad(y, wanted, dy) if wanted else ())
-        dx, dw, db = (next(got) if need else None for need in needs)
-    return tuple(g if g is not None else x.new_empty(0) for g in (dx, dw, db))
+def _layer_norm_backward(dy, x, normalized_shape, mean_hi, mean_lo, rstd, weight, bias,
+                         output_mask):
+    from ..norms._core import normalize_backward
+
+    mask = [output_mask[0], output_mask[1] and weight is not None,
+            output_mask[2] and bias is not None]
+    mean = mean_hi + mean_lo
+    if native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
+        grads = torch.ops.aten.native_layer_norm_backward(
+            dy.contiguous(), x, normalized_shape, mean, rstd, weight, bias, mask)
+    else:  # the compensated path's backward
+        grads = normalize_backward(dy, x, weight, bias, mean_hi, mean_lo, rstd,
+                                   _row_dims(x, normalized_shape), True, mask)
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
-def _backward_fake(dy, x, normalized_shape, mean, rstd, weight, bias, eps, output_mask):
-    shapes = (x, weight, bias)
+def _grads_fake(x, weight, bias, output_mask):
     return tuple(torch.empty_like(t) if need and t is not None else x.new_empty(0)
-                 for t, need in zip(shapes, output_mask, strict=True))
+                 for t, need in zip((x, weight, bias), output_mask, strict=True))
 
 
-_LIB.impl("layer_norm", _forward, "CompositeExplicitAutograd")
-_LIB.impl("layer_norm_backward", _backward, "CompositeExplicitAutograd")
-torch.library.register_fake("normkit::layer_norm", _forward_fake, lib=_LIB)
-torch.library.register_fake("normkit::layer_norm_backward", _backward_fake, lib=_LIB)
+def _layer_norm_backward_fake(dy, x, normalized_shape, mean_hi, mean_lo, rstd, weight, bias,
+                              output_mask):
+    return _grads_fake(x, weight, bias, output_mask)
 
 
-def _setup_context(ctx, inputs, output):
-    x, normalized_shape, weight, bias, eps = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, mean, rstd, weight, bias)
-    ctx.normalized_shape, ctx.eps = normalized_shape, eps
+_LIB.impl("layer_norm", _layer_norm, "CompositeExplicitAutograd")
+_LIB.impl("layer_norm_backward", _layer_norm_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("normkit::layer_norm", _layer_norm_fake, lib=_LIB)
+torch.library.register_fake("normkit::layer_norm_backward", _layer_norm_backward_fake,
+                            lib=_LIB)
 
 
-def _autograd_backward(ctx, dy, _dmean, _drstd):
-    x, mean, rstd, weight, bias = ctx.saved_tensors
+def _layer_norm_setup(ctx, inputs, output):
+    x, normalized_shape, weight, bias, _eps = inputs
+    _, mean_hi, mean_lo, rstd = output
+    ctx.save_for_backward(x, mean_hi, mean_lo, rstd, weight, bias)
+    ctx.normalized_shape = normalized_shape
+    ctx.mark_non_differentiable(mean_hi, mean_lo, rstd)
+
+
+def _layer_norm_autograd(ctx, dy, *_stat_grads):
+    x, mean_hi, mean_lo, rstd, weight, bias = ctx.saved_tensors
     mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
             bias is not None and ctx.needs_input_grad[3]]
     dx, dw, db = torch.ops.normkit.layer_norm_backward(
-        dy, x, ctx.normalized_shape, mean, rstd, weight, bias, ctx.eps, mask)
+        dy, x, ctx.normalized_shape, mean_hi, mean_lo, rstd, weight, bias, mask)
     return (dx if mask[0] else None, None, dw if mask[1] else None,
             db if mask[2] else None, None)
 
 
-torch.library.register_autograd("normkit::layer_norm", _autograd_backward,
-                                setup_context=_setup_context, lib=_LIB)
+torch.library.register_autograd("normkit::layer_norm", _layer_norm_autograd,
+                                setup_context=_layer_norm_setup, lib=_LIB)
 
 
 # ------------------------------------------------------------ channels-last GroupNorm
@@ -220,11 +236,6 @@ def _group_norm_backward(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias
 def _group_norm_backward_fake(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias,
                               output_mask):
     return _grads_fake(x, weight, bias, output_mask)
-
-
-def _grads_fake(x, weight, bias, output_mask):
-    return tuple(torch.empty_like(t) if need and t is not None else x.new_empty(0)
-                 for t, need in zip((x, weight, bias), output_mask, strict=True))
 
 
 _LIB.impl("group_norm", _group_norm_forward, "CompositeExplicitAutograd")
