@@ -187,17 +187,19 @@ def test_compiled_fused_and_channels_last_layer_norms_use_the_operator(case):
         assert outs_b[0].is_contiguous(memory_format=torch.channels_last)
 
 
-@pytest.mark.parametrize("shape,offset", [
-    ((4, 8, 6, 6), 0.0),        # few positions: torch's kernel inside the operator
-    ((4, 8, 6, 6), 1e3),        # ill-conditioned: the compensated path
-    ((8, 16, 48, 48), 0.0),     # the slice-sums engine
-    ((2, 8, 4, 4, 6), 1.0),     # channels_last_3d
-], ids=["torch-kernel", "compensated", "engine", "3d"])
-def test_compiled_channels_last_group_norm_is_one_operator_each_way(shape, offset,
-                                                                      monkeypatch):
-    """Channels-last GroupNorm compiles to normkit::group_norm and its backward operator
-    (explicit backwards, no autograd inside): eager mode's values and gradients, the
-    memory format kept, precision at an offset."""
+@pytest.mark.parametrize("shape,offset,channels_last", [
+    ((4, 8, 6, 6), 0.0, True),        # few positions: torch's kernel inside the operator
+    ((4, 8, 6, 6), 1e3, True),        # ill-conditioned: the compensated path
+    ((8, 16, 48, 48), 0.0, True),     # the slice-sums engine
+    ((2, 8, 4, 4, 6), 1.0, True),     # channels_last_3d
+    ((4, 8, 6, 6), 1.0, False),       # NCHW: torch's kernel
+    ((4, 8, 6, 6), 1e3, False),       # NCHW, ill-conditioned: compensated
+], ids=["torch-kernel", "compensated", "engine", "3d", "nchw", "nchw-compensated"])
+def test_compiled_group_norm_is_one_operator_each_way(shape, offset, channels_last,
+                                                      monkeypatch):
+    """GroupNorm compiles to normkit::group_norm and its backward operator (explicit
+    backwards, no autograd inside): eager mode's values and gradients, the memory format
+    kept, precision at an offset."""
     from normkit.kernels import channels
 
     monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 15)  # the engine on a small input
@@ -210,7 +212,8 @@ def test_compiled_channels_last_group_norm_is_one_operator_each_way(shape, offse
         eager.bias.normal_(0.0, 0.3)
     twin.load_state_dict(eager.state_dict())
     compiled = torch.compile(twin, fullgraph=True, backend=backend)
-    layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    layout = ((torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+              if channels_last else torch.contiguous_format)
     x = (torch.randn(shape, dtype=torch.float64) * 2 + offset).float()
     x = x.contiguous(memory_format=layout)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -236,11 +239,13 @@ def test_group_norm_operators_pass_opcheck_on_every_path(monkeypatch):
 
     monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 12)
     gen = torch.Generator().manual_seed(6)
-    for shape, offset in (((3, 4, 5, 5), 0.0), ((3, 4, 5, 5), 1e3), ((2, 4, 24, 24), 0.0)):
-        x = (torch.randn(shape, generator=gen) + offset).contiguous(
-            memory_format=torch.channels_last)
+    cl, nchw = torch.channels_last, torch.contiguous_format
+    for shape, offset, layout in (((3, 4, 5, 5), 0.0, cl), ((3, 4, 5, 5), 1e3, cl),
+                                  ((2, 4, 24, 24), 0.0, cl), ((3, 4, 5, 5), 0.0, nchw),
+                                  ((3, 4, 5, 5), 1e3, nchw)):
+        x = (torch.randn(shape, generator=gen) + offset).contiguous(memory_format=layout)
         w, b = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
-        dy = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+        dy = torch.randn(shape, generator=gen).contiguous(memory_format=layout)
         opcheck(torch.ops.normkit.group_norm.default, (x, 2, w, b, 1e-5))
         opcheck(torch.ops.normkit.group_norm.default,
                 (x.clone().requires_grad_(), 2, w.clone().requires_grad_(), None, 1e-5))

@@ -512,16 +512,14 @@ def group_norm(
     if _use_triton(backend, input, lambda: tk.supports_group_norm(input, num_groups, weight,
                                                                      bias)):
         return tk.group_norm(input, num_groups, weight, bias, eps)
+    if backend == "auto" and compiling() and library.serves_group_norm(input, weight, bias):
+        # torch.compile: the eager paths below as one operator (kernels.library)
+        return library.group_norm(input, num_groups, weight, bias, eps)
     layout = _channels_last_format(input)
-    if layout is not None and backend == "auto":
-        if compiling():
-            if library.serves_channels_last(input, weight, bias):
-                # torch.compile: the channels-last paths as one operator (kernels.library)
-                return library.group_norm(input, num_groups, weight, bias, eps)
-        else:
-            fast = _group_norm_channels_last(input, num_groups, weight, bias, eps)
-            if fast is not None:
-                return fast
+    if layout is not None and backend == "auto" and not compiling():
+        fast = _group_norm_channels_last(input, num_groups, weight, bias, eps)
+        if fast is not None:
+            return fast
     if layout is not None:
         # Grouped statistics over a channels_last tensor are strided reductions with a
         # tiny inner extent (C/G), ~5x slower than on NCHW; one copy each way is cheaper.

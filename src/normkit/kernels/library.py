@@ -14,9 +14,10 @@ and the eager paths' speed.
   ``-> (y, mean_hi, mean_lo, rstd)``: torch's ``native_layer_norm`` when every row's
   ``|mean| / std`` is within :data:`~normkit.kernels.native.THRESHOLDS`, else normkit's
   compensated path (the mean as a hi/lo pair);
-* ``normkit::group_norm`` (channels-last input) ``-> (y, mean_hi, mean_lo, rstd)`` per
-  ``(N, G)``: torch's kernel below :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS`
-  positions, the slice-sums engine above, the compensated path on an NCHW copy;
+* ``normkit::group_norm`` ``-> (y, mean_hi, mean_lo, rstd)`` per ``(N, G)``: on NCHW
+  torch's kernel under its bound, on channels-last torch's kernel below
+  :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS` positions and the
+  slice-sums engine above; the compensated path otherwise;
 * ``normkit::batch_norm_train`` (channels-last input) ``-> (y, mean_hi, mean_lo, rstd,
   var)`` per channel, ``var`` biased: torch's kernel up to
   :data:`~normkit.kernels.native.CHANNELS_LAST_MAX_COUNT` values per channel, the engine
@@ -52,8 +53,8 @@ from torch import Tensor
 
 from . import channels, native
 
-__all__ = ["serves_layer_norm", "layer_norm", "serves_channels_last", "group_norm",
-           "batch_norm_train"]
+__all__ = ["serves_layer_norm", "layer_norm", "serves_channels_last", "serves_group_norm",
+           "group_norm", "batch_norm_train"]
 
 _LIB = torch.library.Library("normkit", "FRAGMENT")
 _LIB.define("layer_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
@@ -138,13 +139,14 @@ torch.library.register_autograd("normkit::layer_norm", _layer_norm_autograd,
                                 setup_context=_layer_norm_setup, lib=_LIB)
 
 
-# ------------------------------------------------------------ channels-last GroupNorm
+# --------------------------------------------------------------------------- GroupNorm
 #
 # normkit::group_norm(x, num_groups, weight, bias, eps) -> (y, mean_hi, mean_lo, rstd),
-# statistics (N, G). The eager choice for channels-last input, made once in the forward:
-#   torch's kernel (fewer than channels.GROUP_NORM_MIN_POSITIONS positions, ratio <= 2),
-#   the slice-sums engine (from there up, where it serves, ratio <= 2),
-#   else the compensated path on an NCHW copy (mean as a hi/lo pair).
+# statistics (N, G). The eager choice, made once in the forward:
+#   NCHW: torch's kernel (ratio <= 32), else the compensated path;
+#   channels-last: torch's kernel (fewer than channels.GROUP_NORM_MIN_POSITIONS
+#   positions, ratio <= 2), the slice-sums engine (from there up, where it serves,
+#   ratio <= 2), else the compensated path on an NCHW copy (mean as a hi/lo pair).
 # The backward operator takes the matching explicit backward -- torch's GroupNorm backward
 # kernel, channels.backward, normalize_backward -- from the saved statistics: no autograd
 # inside an operator, so it also runs under dispatch modes (opcheck, FlopCounterMode).
@@ -173,13 +175,28 @@ def _view(t: Tensor | None, shape: tuple[int, ...]) -> Tensor | None:
     return None if t is None else t.view(shape)
 
 
+def _layout(x: Tensor) -> torch.memory_format:
+    return torch.contiguous_format if x.is_contiguous() else _channels_last_format(x)
+
+
+def _group_bound(x: Tensor) -> float:
+    """The ratio bound of torch's GroupNorm kernel for ``x``'s layout (native.THRESHOLDS,
+    channels.RATIO)."""
+    return native.THRESHOLDS["group_norm"] if x.is_contiguous() else channels.RATIO
+
+
 def _group_norm_forward(x, num_groups, weight, bias, eps):
     from ..norms._core import normalize_forward
 
     n, c = x.shape[:2]
     positions, cpg = x[0, 0].numel(), c // num_groups
     zeros = x.new_zeros(n, num_groups)
-    if positions < channels.GROUP_NORM_MIN_POSITIONS:
+    if x.is_contiguous():  # NCHW: torch's kernel, whose error stays small here
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, positions, num_groups,
+                                                eps)
+        if native.well_conditioned(mean, rstd, _group_bound(x)):
+            return y, mean, zeros, rstd
+    elif positions < channels.GROUP_NORM_MIN_POSITIONS:
         y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, positions, num_groups,
                                                 eps)
         if native.well_conditioned(mean, rstd, channels.RATIO):
@@ -193,7 +210,7 @@ def _group_norm_forward(x, num_groups, weight, bias, eps):
     grouped, dims, pview = _grouped_view(x.contiguous(), num_groups)
     y, mean_hi, mean_lo, _, rstd = normalize_forward(grouped, dims, _view(weight, pview),
                                                      _view(bias, pview), eps)
-    y = y.flatten(1, 2).contiguous(memory_format=_channels_last_format(x))
+    y = y.flatten(1, 2).contiguous(memory_format=_layout(x))
     return (y, *(t.reshape(n, num_groups).to(x.dtype) for t in (mean_hi, mean_lo, rstd)))
 
 
@@ -211,9 +228,9 @@ def _group_norm_backward(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias
     mean = mean_hi + mean_lo
     mask = [output_mask[0], output_mask[1] and weight is not None,
             output_mask[2] and bias is not None]
-    accurate = native.well_conditioned(mean, rstd, channels.RATIO)
-    layout = _channels_last_format(x)
-    if accurate and positions < channels.GROUP_NORM_MIN_POSITIONS:
+    accurate = native.well_conditioned(mean, rstd, _group_bound(x))
+    layout = _layout(x)
+    if accurate and (x.is_contiguous() or positions < channels.GROUP_NORM_MIN_POSITIONS):
         grads = torch.ops.aten.native_group_norm_backward(
             dy.contiguous(memory_format=layout), x, mean, rstd, weight, n, c, positions,
             num_groups, mask)
@@ -395,6 +412,23 @@ def batch_norm_train(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     return y, mean_hi + mean_lo, var
 
 
+def serves_group_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """Whether ``normkit::group_norm`` serves these arguments: float32/float64 CPU input,
+    contiguous or channels-last, parameters of its dtype.
+
+    Example:
+        >>> serves_group_norm(torch.randn(2, 4, 3, 3), None, None)
+        True
+        >>> serves_group_norm(torch.randn(2, 4, 3, 3).transpose(2, 3), None, None)
+        False
+    """
+    return ((x.is_contiguous() and x.device.type == "cpu" and x.numel() > 0
+             and x.dtype in (torch.float32, torch.float64)
+             and all(p is None or (p.dtype == x.dtype and p.device == x.device)
+                     for p in (weight, bias)))
+            or serves_channels_last(x, weight, bias))
+
+
 def serves_channels_last(x: Tensor, *params: Tensor | None) -> bool:
     """Whether the channels-last operators serve these arguments: float32/float64 CPU
     input in channels_last (4D) or channels_last_3d (5D) memory format (and not also
@@ -415,8 +449,8 @@ def serves_channels_last(x: Tensor, *params: Tensor | None) -> bool:
 
 def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None,
                eps: float) -> Tensor:
-    """Channels-last GroupNorm through the ``normkit::group_norm`` operator (what
-    ``torch.compile`` records for it).
+    """GroupNorm through the ``normkit::group_norm`` operator (what ``torch.compile``
+    records for a CPU normkit GroupNorm).
 
     Example:
         >>> x = torch.randn(2, 4, 5, 5).contiguous(memory_format=torch.channels_last)
