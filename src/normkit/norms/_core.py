@@ -33,10 +33,10 @@ def compiling() -> bool:
 
     Under compilation ``backend="auto"`` takes the reference math on the CPU: it has no
     data-dependent branches (``fullgraph=True`` works) and Inductor fuses its
-    elementwise passes and reductions into its own kernels. (Except CPU LayerNorm, whose
-    eager path is one registered operator, :mod:`normkit.kernels.library`; CUDA inputs
-    keep the Triton kernels, registered operators too: see
-    :func:`normkit.functional._use_triton`.)
+    elementwise passes and reductions into its own kernels. (Except on the CPU LayerNorm,
+    GroupNorm and channels-last training BatchNorm, whose eager paths are registered
+    operators, :mod:`normkit.kernels.library`; CUDA inputs keep the Triton kernels,
+    registered operators too: see :func:`normkit.functional._use_triton`.)
     """
     return torch.compiler.is_compiling()
 
