@@ -287,11 +287,12 @@ def instance_norm(
         return _empty_result(input, w, b)
     fast = None
     if backend == "auto" and not compiling():
-        # the slice-sums engine, else torch's kernel where it is accurate
-        fast = channels.normalize(input, weight, bias, channels.Pool("instance"), eps,
-                                  _reference(dims, view, eps))
+        # NCHW: torch's GroupNorm kernel, one group per channel, where it is accurate;
+        # channels-last (or past that bound): the slice-sums engine
+        fast = native.instance_norm(input, weight, bias, eps)
         if fast is None:
-            fast = native.instance_norm(input, weight, bias, eps)
+            fast = channels.normalize(input, weight, bias, channels.Pool("instance"), eps,
+                                      _reference(dims, view, eps))
     y, mean, var = fast if fast is not None else normalize(input, dims, w, b, eps,
                                                            backend=backend)
     n, c = input.shape[:2]
