@@ -7,6 +7,8 @@ code generation, which takes tens of seconds per graph on a 2-core CPU.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -187,6 +189,31 @@ def test_compiled_fused_and_channels_last_layer_norms_use_the_operator(case):
         assert outs_b[0].is_contiguous(memory_format=torch.channels_last)
 
 
+def _twins(eager: torch.nn.Module, backend):
+    """``eager`` with a random affine, and a compiled twin with its state."""
+    with torch.no_grad():
+        eager.weight.normal_(1.0, 0.3)
+        eager.bias.normal_(0.0, 0.3)
+    twin = copy.deepcopy(eager)
+    return twin, torch.compile(twin, fullgraph=True, backend=backend)
+
+
+def _step_both(eager, twin, compiled, x, layout):
+    """One forward+backward of both on ``x``: same outputs, layout, input and parameter
+    gradients (the compiled one returned)."""
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = eager(xa), compiled(xb)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert yb.is_contiguous(memory_format=layout)
+    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-4, atol=1e-5)
+    for a, b in zip(eager.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-4)
+    return yb
+
+
 @pytest.mark.parametrize("shape,offset,channels_last", [
     ((4, 8, 6, 6), 0.0, True),        # few positions: torch's kernel inside the operator
     ((4, 8, 6, 6), 1e3, True),        # ill-conditioned: the compensated path
@@ -206,26 +233,13 @@ def test_compiled_group_norm_is_one_operator_each_way(shape, offset, channels_la
     torch._dynamo.reset()
     backend, seen = _recorded_ops()
     torch.manual_seed(5)
-    eager, twin = normkit.GroupNorm(4, shape[1]), normkit.GroupNorm(4, shape[1])
-    with torch.no_grad():
-        eager.weight.normal_(1.0, 0.3)
-        eager.bias.normal_(0.0, 0.3)
-    twin.load_state_dict(eager.state_dict())
-    compiled = torch.compile(twin, fullgraph=True, backend=backend)
+    eager = normkit.GroupNorm(4, shape[1])
+    twin, compiled = _twins(eager, backend)
     layout = ((torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
               if channels_last else torch.contiguous_format)
     x = (torch.randn(shape, dtype=torch.float64) * 2 + offset).float()
     x = x.contiguous(memory_format=layout)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = eager(xa), compiled(xb)
-    dy = torch.randn_like(ya)
-    ya.backward(dy)
-    yb.backward(dy)
-    assert yb.is_contiguous(memory_format=layout)
-    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-4, atol=1e-5)
-    for a, b in zip(eager.parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-4)
+    yb = _step_both(eager, twin, compiled, x, layout)
     ref = torch.nn.functional.group_norm(x.double(), 4, eager.weight.detach().double(),
                                          eager.bias.detach().double())
     assert float((yb.detach().double() - ref).abs().max()) < 2e-5
@@ -273,26 +287,11 @@ def test_compiled_channels_last_batch_norm_is_one_operator_each_way(shape, offse
     torch.manual_seed(7)
     make = normkit.BatchNorm2d if len(shape) == 4 else normkit.BatchNorm3d
     eager = make(6, unbiased_running_var=not biased)
-    twin = make(6, unbiased_running_var=not biased)
-    with torch.no_grad():
-        eager.weight.normal_(1.0, 0.3)
-        eager.bias.normal_(0.0, 0.3)
-    twin.load_state_dict(eager.state_dict())
-    compiled = torch.compile(twin, fullgraph=True, backend=backend)
+    twin, compiled = _twins(eager, backend)
     layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
     for step in range(2):
         x = (torch.randn(shape, dtype=torch.float64) * 2 + offset + step).float()
-        x = x.contiguous(memory_format=layout)
-        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        ya, yb = eager(xa), compiled(xb)
-        dy = torch.randn_like(ya)
-        ya.backward(dy)
-        yb.backward(dy)
-        assert yb.is_contiguous(memory_format=layout)
-        torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-4, atol=1e-5)
-        for a, b in zip(eager.parameters(), twin.parameters(), strict=True):
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-4)
+        _step_both(eager, twin, compiled, x.contiguous(memory_format=layout), layout)
     for (name, a), b in zip(eager.named_buffers(), twin.buffers(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
     assert {"normkit.batch_norm_train.default",

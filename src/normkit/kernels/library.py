@@ -105,38 +105,40 @@ def _grads_fake(x, weight, bias, output_mask):
                  for t, need in zip((x, weight, bias), output_mask, strict=True))
 
 
-def _layer_norm_backward_fake(dy, x, normalized_shape, mean_hi, mean_lo, rstd, weight, bias,
-                              output_mask):
-    return _grads_fake(x, weight, bias, output_mask)
+def _register_with_statistics(name: str, forward, fake, backward) -> None:
+    """Register ``normkit::<name>(x, meta, weight, bias, eps) -> (y, mean_hi, mean_lo,
+    rstd)`` and ``normkit::<name>_backward(dy, x, meta, mean_hi, mean_lo, rstd, weight,
+    bias, output_mask) -> (dx, dweight, dbias)`` (already defined): implementations,
+    fake implementations and the autograd formula that links them."""
+    _LIB.impl(name, forward, "CompositeExplicitAutograd")
+    _LIB.impl(f"{name}_backward", backward, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"normkit::{name}", fake, lib=_LIB)
+    torch.library.register_fake(
+        f"normkit::{name}_backward",
+        lambda dy, x, meta, mean_hi, mean_lo, rstd, weight, bias, output_mask: _grads_fake(
+            x, weight, bias, output_mask), lib=_LIB)
+    backward_op = getattr(torch.ops.normkit, f"{name}_backward")
+
+    def setup_context(ctx, inputs, output):
+        x, meta, weight, bias, _eps = inputs
+        _, mean_hi, mean_lo, rstd = output
+        ctx.save_for_backward(x, mean_hi, mean_lo, rstd, weight, bias)
+        ctx.meta = meta
+        ctx.mark_non_differentiable(mean_hi, mean_lo, rstd)
+
+    def autograd_backward(ctx, dy, *_stat_grads):
+        x, mean_hi, mean_lo, rstd, weight, bias = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+                bias is not None and ctx.needs_input_grad[3]]
+        dx, dw, db = backward_op(dy, x, ctx.meta, mean_hi, mean_lo, rstd, weight, bias, mask)
+        return (dx if mask[0] else None, None, dw if mask[1] else None,
+                db if mask[2] else None, None)
+
+    torch.library.register_autograd(f"normkit::{name}", autograd_backward,
+                                    setup_context=setup_context, lib=_LIB)
 
 
-_LIB.impl("layer_norm", _layer_norm, "CompositeExplicitAutograd")
-_LIB.impl("layer_norm_backward", _layer_norm_backward, "CompositeExplicitAutograd")
-torch.library.register_fake("normkit::layer_norm", _layer_norm_fake, lib=_LIB)
-torch.library.register_fake("normkit::layer_norm_backward", _layer_norm_backward_fake,
-                            lib=_LIB)
-
-
-def _layer_norm_setup(ctx, inputs, output):
-    x, normalized_shape, weight, bias, _eps = inputs
-    _, mean_hi, mean_lo, rstd = output
-    ctx.save_for_backward(x, mean_hi, mean_lo, rstd, weight, bias)
-    ctx.normalized_shape = normalized_shape
-    ctx.mark_non_differentiable(mean_hi, mean_lo, rstd)
-
-
-def _layer_norm_autograd(ctx, dy, *_stat_grads):
-    x, mean_hi, mean_lo, rstd, weight, bias = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
-            bias is not None and ctx.needs_input_grad[3]]
-    dx, dw, db = torch.ops.normkit.layer_norm_backward(
-        dy, x, ctx.normalized_shape, mean_hi, mean_lo, rstd, weight, bias, mask)
-    return (dx if mask[0] else None, None, dw if mask[1] else None,
-            db if mask[2] else None, None)
-
-
-torch.library.register_autograd("normkit::layer_norm", _layer_norm_autograd,
-                                setup_context=_layer_norm_setup, lib=_LIB)
+_register_with_statistics("layer_norm", _layer_norm, _layer_norm_fake, _layer_norm_backward)
 
 
 # --------------------------------------------------------------------------- GroupNorm
@@ -250,38 +252,8 @@ def _group_norm_backward(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
-def _group_norm_backward_fake(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias,
-                              output_mask):
-    return _grads_fake(x, weight, bias, output_mask)
-
-
-_LIB.impl("group_norm", _group_norm_forward, "CompositeExplicitAutograd")
-_LIB.impl("group_norm_backward", _group_norm_backward, "CompositeExplicitAutograd")
-torch.library.register_fake("normkit::group_norm", _group_norm_forward_fake, lib=_LIB)
-torch.library.register_fake("normkit::group_norm_backward", _group_norm_backward_fake,
-                            lib=_LIB)
-
-
-def _group_norm_setup(ctx, inputs, output):
-    x, num_groups, weight, bias, _eps = inputs
-    _, mean_hi, mean_lo, rstd = output
-    ctx.save_for_backward(x, mean_hi, mean_lo, rstd, weight, bias)
-    ctx.num_groups = num_groups
-    ctx.mark_non_differentiable(mean_hi, mean_lo, rstd)
-
-
-def _group_norm_autograd(ctx, dy, *_stat_grads):
-    x, mean_hi, mean_lo, rstd, weight, bias = ctx.saved_tensors
-    mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
-            bias is not None and ctx.needs_input_grad[3]]
-    dx, dw, db = torch.ops.normkit.group_norm_backward(dy, x, ctx.num_groups, mean_hi,
-                                                       mean_lo, rstd, weight, bias, mask)
-    return (dx if mask[0] else None, None, dw if mask[1] else None,
-            db if mask[2] else None, None)
-
-
-torch.library.register_autograd("normkit::group_norm", _group_norm_autograd,
-                                setup_context=_group_norm_setup, lib=_LIB)
+_register_with_statistics("group_norm", _group_norm_forward, _group_norm_forward_fake,
+                          _group_norm_backward)
 
 
 # ------------------------------------------- channels-last BatchNorm, training mode
