@@ -205,3 +205,35 @@ def test_layer_norm2d_nchw_few_positions_take_torchs_layer_norm(threads, monkeyp
         assert "ColumnNorm" in _path(F.layer_norm2d(wider, w, b))
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("offset", [1.0, 1e4], ids=["torch-kernel", "compensated"])
+def test_small_channels_last_instance_norm(offset):
+    """Below the engine's size floor, channels-last InstanceNorm is torch's GroupNorm
+    kernel (one group per channel) on an NCHW copy, back in channels_last; past that
+    kernel's bound, the compensated path. Values, gradients and running statistics as
+    the float64 reference and torch."""
+    from oracle import assert_close, assert_grad_close
+
+    gen = torch.Generator().manual_seed(9)
+    x = (torch.randn(3, 5, 7, 9, generator=gen, dtype=torch.float64) * 2 + offset).float()
+    x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    module = normkit.InstanceNorm2d(5, affine=True, track_running_stats=True)
+    with torch.no_grad():
+        module.weight.normal_(1.0, 0.3, generator=gen)
+        module.bias.normal_(0.0, 0.3, generator=gen)
+    y = module(x)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert ("NativeGroupNorm" if offset < 100 else "NormalizeFunction") in _path(y), _path(y)
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, module.weight, module.bias)]
+    ref = torch.nn.functional.instance_norm(leaves[0], weight=leaves[1], bias=leaves[2])
+    ref.backward(dy.double())
+    assert_close(y, ref, torch.float32)
+    for got, want in zip((x.grad, module.weight.grad, module.bias.grad), leaves, strict=True):
+        assert_grad_close(got, want.grad, torch.float32)
+    tm = torch.nn.InstanceNorm2d(5, affine=True, track_running_stats=True)
+    tm(x.detach())
+    torch.testing.assert_close(module.running_mean, tm.running_mean)
+    torch.testing.assert_close(module.running_var, tm.running_var, rtol=1e-4, atol=1e-6)

@@ -293,6 +293,13 @@ def instance_norm(
         if fast is None:
             fast = channels.normalize(input, weight, bias, channels.Pool("instance"), eps,
                                       _reference(dims, view, eps))
+        layout = _channels_last_format(input)
+        if fast is None and layout is not None and input.numel() < channels.MIN_ELEMENTS:
+            # small channels-last input: that kernel on an NCHW copy (1.2-2x faster
+            # fwd+bwd than the compensated path below the engine's size floor)
+            fast = native.instance_norm(input.contiguous(), weight, bias, eps)
+            if fast is not None:
+                fast = (fast[0].contiguous(memory_format=layout), *fast[1:])
     y, mean, var = fast if fast is not None else normalize(input, dims, w, b, eps,
                                                            backend=backend)
     n, c = input.shape[:2]
