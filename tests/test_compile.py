@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from compile_recorder import recording_backend
 
 import normkit
 
@@ -56,33 +57,13 @@ def test_compiled_path_keeps_the_precision_at_large_offsets():
 # ------------------------------------------ CPU LayerNorm as one operator (kernels.library)
 
 
-def _recorded_ops():
-    """A torch.compile backend recording the operators of the AOT forward and backward
-    graphs (run unchanged)."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    seen: list[str] = []
-
-    def compiler(graph, _inputs):
-        seen.extend(str(node.target) for node in graph.graph.nodes
-                    if node.op == "call_function")
-        return make_boxed_func(graph.forward)
-
-    def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler,
-                                     bw_compiler=compiler)
-
-    return backend, seen
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_layer_norm_is_one_operator_each_way(dtype):
     """A compiled CPU LayerNorm records normkit::layer_norm and its backward operator --
     torch's kernel where accurate, the compensated path elsewhere, inside the operator --
     and computes exactly what eager mode computes, at any offset."""
     torch._dynamo.reset()
-    backend, seen = _recorded_ops()
+    backend, seen = recording_backend()
     eager = normkit.LayerNorm(48).to(dtype)
     twin = normkit.LayerNorm(48).to(dtype)
     twin.load_state_dict(eager.state_dict())
@@ -109,7 +90,7 @@ def test_compiled_layer_norm_outside_the_operator_takes_the_reference_math():
     """bfloat16 (and strided) input is not served by the operator: the reference math,
     still without graph breaks."""
     torch._dynamo.reset()
-    backend, seen = _recorded_ops()
+    backend, seen = recording_backend()
     ln = normkit.LayerNorm(32).to(torch.bfloat16)
     compiled = torch.compile(ln, fullgraph=True, backend=backend)
     x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
@@ -162,7 +143,7 @@ def test_compiled_fused_and_channels_last_layer_norms_use_the_operator(case):
     """AddLayerNorm (the add stays in the graph) and channels-last LayerNorm2d (a view of
     the operator's output) compile to normkit::layer_norm, with eager mode's results."""
     torch._dynamo.reset()
-    backend, seen = _recorded_ops()
+    backend, seen = recording_backend()
     torch.manual_seed(1)
     if case == "add_layer_norm":
         eager, twin = normkit.AddLayerNorm(40), normkit.AddLayerNorm(40)
@@ -231,7 +212,7 @@ def test_compiled_group_norm_is_one_operator_each_way(shape, offset, channels_la
 
     monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 15)  # the engine on a small input
     torch._dynamo.reset()
-    backend, seen = _recorded_ops()
+    backend, seen = recording_backend()
     torch.manual_seed(5)
     eager = normkit.GroupNorm(4, shape[1])
     twin, compiled = _twins(eager, backend)
@@ -283,7 +264,7 @@ def test_compiled_channels_last_batch_norm_is_one_operator_each_way(shape, offse
 
     monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 15)
     torch._dynamo.reset()
-    backend, seen = _recorded_ops()
+    backend, seen = recording_backend()
     torch.manual_seed(7)
     make = normkit.BatchNorm2d if len(shape) == 4 else normkit.BatchNorm3d
     eager = make(6, unbiased_running_var=not biased)

@@ -137,11 +137,26 @@ def test_rejected_fast_path_does_not_double_count_running_stats():
     assert int(nk.num_batches_tracked) == 1
 
 
+def _check_layer_norm2d_against_float64(y, x, w, b, gen):
+    """``y = layer_norm2d(x, w, b)`` (float32) and its gradients against float64
+    LayerNorm over the channels (permute, LayerNorm, permute back)."""
+    from oracle import assert_close, assert_grad_close
+
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = torch.nn.functional.layer_norm(leaves[0].permute(0, 2, 3, 1), (x.shape[1],),
+                                         leaves[1], leaves[2]).permute(0, 3, 1, 2)
+    ref.backward(dy.double())
+    assert_close(y, ref, torch.float32)
+    for got, want in zip((x.grad, w.grad, b.grad), leaves, strict=True):
+        assert_grad_close(got, want.grad, torch.float32)
+
+
 def test_layer_norm2d_nchw_fast_path(monkeypatch):
     """NCHW LayerNorm2d runs torch's BatchNorm kernel per sample (kernels.native) on
     well-conditioned data, equals the float64 reference, refuses an offset past the
     kernel's bound, and supports double backward."""
-    from oracle import assert_close, assert_grad_close
 
     from normkit.kernels import native
 
@@ -154,15 +169,7 @@ def test_layer_norm2d_nchw_fast_path(monkeypatch):
     y = F.layer_norm2d(x, w, b)
     assert "ColumnNorm" in _path(y), _path(y)
     assert y.is_contiguous()
-    dy = torch.randn(y.shape, generator=gen)
-    y.backward(dy)
-    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    ref = torch.nn.functional.layer_norm(leaves[0].permute(0, 2, 3, 1), (6,), leaves[1],
-                                         leaves[2]).permute(0, 3, 1, 2)
-    ref.backward(dy.double())
-    assert_close(y, ref, torch.float32)
-    for got, want in zip((x.grad, w.grad, b.grad), leaves, strict=True):
-        assert_grad_close(got, want.grad, torch.float32)
+    _check_layer_norm2d_against_float64(y, x, w, b, gen)
     assert "ColumnNorm" not in _path(F.layer_norm2d(x + 100.0, w, b))
     x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
     assert "ColumnNorm" in _path(F.layer_norm2d(x64, w64, b64))
@@ -175,7 +182,6 @@ def test_layer_norm2d_nchw_few_positions_take_torchs_layer_norm(threads, monkeyp
     LayerNorm kernel on a channels-innermost copy: NCHW output, reference values and
     gradients; an offset past that kernel's bound takes the compensated path. From the
     floor up it is the per-sample kernel."""
-    from oracle import assert_close, assert_grad_close
 
     from normkit.kernels import native
 
@@ -191,15 +197,7 @@ def test_layer_norm2d_nchw_few_positions_take_torchs_layer_norm(threads, monkeyp
         y = F.layer_norm2d(x, w, b)
         assert "LayerNorm" in _path(y) and "ColumnNorm" not in _path(y), _path(y)
         assert y.is_contiguous()
-        dy = torch.randn(y.shape, generator=gen)
-        y.backward(dy)
-        leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
-        ref = torch.nn.functional.layer_norm(leaves[0].permute(0, 2, 3, 1), (16,), leaves[1],
-                                             leaves[2]).permute(0, 3, 1, 2)
-        ref.backward(dy.double())
-        assert_close(y, ref, torch.float32)
-        for got, want in zip((x.grad, w.grad, b.grad), leaves, strict=True):
-            assert_grad_close(got, want.grad, torch.float32)
+        _check_layer_norm2d_against_float64(y, x, w, b, gen)
         assert "LayerNorm" not in _path(F.layer_norm2d(x.detach() + 1e4, w, b))
         wider = torch.randn(2, 16, positions + 1, 1, generator=gen, requires_grad=True)
         assert "ColumnNorm" in _path(F.layer_norm2d(wider, w, b))

@@ -32,6 +32,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from compile_recorder import recording_backend  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -497,26 +498,6 @@ def test_operators_pass_torch_library_opcheck(case):
     torch.library.opcheck(op, args)
 
 
-def _traced_ops():
-    """A torch.compile backend that records the operators of the AOT forward and backward
-    graphs (and runs them unchanged)."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    seen: list[str] = []
-
-    def compiler(graph, _inputs):
-        seen.extend(str(node.target) for node in graph.graph.nodes
-                    if node.op == "call_function")
-        return make_boxed_func(graph.forward)
-
-    def backend(gm, example_inputs):
-        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler,
-                                     bw_compiler=compiler)
-
-    return backend, seen
-
-
 class _Block(torch.nn.Module):
     """Every Triton-served layer and fused op, on one small input."""
 
@@ -548,7 +529,7 @@ def test_fullgraph_compile_runs_the_registered_kernels(training):
         eager = _Block(backend).to(DEVICE).train(training)
         twin = _Block(backend).to(DEVICE).train(training)
         twin.load_state_dict(eager.state_dict())
-        recorder, seen = _traced_ops()
+        recorder, seen = recording_backend()
         compiled = torch.compile(twin, fullgraph=True, backend=recorder)
         x = rand(3, 4, 5, 5)
         xa, xb = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
