@@ -139,6 +139,14 @@ def evaluate(docs: Sequence[dict], targets: Sequence[Target] = TARGETS) -> list[
     (``True``/``False``; ``None`` when no row covers it, or the metric could not be
     computed, e.g. ``pct_peak`` without ``--peak-gbs``).
     Targets of another device than every document's are left out.
+
+    Example:
+        >>> row = {"op": "add_layer_norm", "shape": [4096, 1024], "layout": "contiguous",
+        ...        "pass": "fwd+bwd", "threads": 2, "impls": {"normkit": {"ratio": 1.2}}}
+        >>> v = next(v for v in evaluate([{"environment": {"device": "cpu"}, "results": [row]}])
+        ...          if v["target"].startswith("add + LayerNorm"))
+        >>> v["met"], v["below"], v["worst"]
+        (False, 1, 'add_layer_norm 4096x1024 fwd+bwd 2 thread(s)')
     """
     devices = {doc["environment"]["device"] for doc in docs}
     verdicts = []
@@ -180,6 +188,13 @@ def markdown_lines(docs: Sequence[dict]) -> list[str]:
     """The targets section of a report: a heading and one table row per target.
 
     Targets that cover no measured row are left out; empty when none covers any.
+
+    Example:
+        >>> row = {"op": "rms_norm", "shape": [4096, 1024], "layout": "contiguous",
+        ...        "pass": "fwd+bwd", "threads": 1, "impls": {"normkit": {"ratio": 3.0}}}
+        >>> lines = markdown_lines([{"environment": {"device": "cpu"}, "results": [row]}])
+        >>> lines[0], lines[-1]
+        ('## Issue #6 targets', '| RMSNorm fwd+bwd >= 2.5x | 1 | 3.00x | met |')
     """
     verdicts = [v for v in evaluate(docs) if v["rows"]]
     if not verdicts:
