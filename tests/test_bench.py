@@ -33,6 +33,7 @@ from normkit.bench.ops import (
     parse_shapes,
 )
 from normkit.bench.runner import SCHEMA, BenchConfig, errors, make_input, plan, run
+from normkit.kernels import memory
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = dict(repeats=2, warmup=1, min_time=0.0, copy_mib=1)
@@ -43,7 +44,7 @@ DIMS = {"rows": (6, 16), "image": (3, 8, 4, 5)}
 ENVIRONMENT_KEYS = {
     "date", "normkit", "torch", "python", "platform", "cpu_model", "cpu_count", "device",
     "device_name", "dtype", "threads", "input", "input_doc", "copy_bandwidth_gbs",
-    "copy_buffer_bytes", "memory_method", "load_average",
+    "copy_buffer_bytes", "memory_method", "load_average", "allocator",
 }
 RECORD_KEYS = {"op", "shape", "layout", "pass", "threads", "ideal_bytes", "baseline", "normkit",
                "impls"}
@@ -73,6 +74,8 @@ def test_json_schema(doc):
     assert env["torch"] == torch.__version__ and env["normkit"] == normkit.__version__
     assert list(env["copy_bandwidth_gbs"]) == ["1"] and env["copy_bandwidth_gbs"]["1"] > 0
     assert set(env["load_average"]) == {"start", "end"}
+    assert env["allocator"]["normkit_huge_pages"] is memory.huge_pages_available()
+    assert "allocator: transparent huge pages" in report.to_markdown(doc)
     assert doc["settings"]["shape_list"] == ["8x16", "2x4x3x3:cl"]
     assert doc["settings"]["repeats"] == 2
     assert [(o["op"], o["available"]) for o in doc["ops"]] == [

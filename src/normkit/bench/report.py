@@ -136,6 +136,17 @@ def _copy_text(env: dict) -> str:
                      for threads, gbs in bands.items()) or "not measured"
 
 
+def _allocator_lines(env: dict) -> list[str]:
+    """The allocator line of the header (runs saved before it was recorded have none)."""
+    alloc = env.get("allocator")
+    if alloc is None or env["device"] != "cpu":
+        return []
+    variables = ", ".join(f"{k}={v}" for k, v in alloc["variables"].items()) or "none set"
+    return [f"- allocator: transparent huge pages `{alloc['transparent_hugepage']}`; normkit "
+            f"huge-page outputs {'on' if alloc['normkit_huge_pages'] else 'off'}; "
+            f"allocator variables: {variables}"]
+
+
 def to_markdown(doc: dict) -> str:
     """The document as Markdown: title, command, environment, table, legend, omissions."""
     env, settings = doc["environment"], doc["settings"]
@@ -159,6 +170,7 @@ def to_markdown(doc: dict) -> str:
         f"{env['date']}",
         f"- threads: {', '.join(map(str, env['threads']))}; copy bandwidth: {_copy_text(env)}",
         f"- input: {env['input']}, {env['input_doc']}",
+        *_allocator_lines(env),
         f"- timing: median of {settings['repeats']} interleaved rounds (every implementation "
         f"once per round, round-robin, same process) after a first call and "
         f"{settings['warmup']} warm-up calls; each "

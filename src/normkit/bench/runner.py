@@ -21,7 +21,9 @@ JSON document (``schema`` = :data:`SCHEMA`)::
      "environment": {"date", "normkit", "torch", "python", "platform", "cpu_model",
                      "cpu_count", "device", "device_name", "dtype", "threads": [1],
                      "input", "input_doc", "copy_bandwidth_gbs": {"1": 9.8},
-                     "copy_buffer_bytes", "memory_method", "load_average": {"start", "end"}},
+                     "copy_buffer_bytes", "memory_method", "load_average": {"start", "end"},
+                     "allocator": {"transparent_hugepage", "normkit_huge_pages",
+                                   "variables"}},
      "settings": {"ops", "shapes", "shape_list", "repeats", "warmup", "min_time_s",
                   "compile", "seed"},
      "implementations": {"torch": {"used": true, "reason": null}, "liger": {...}, ...},
@@ -210,6 +212,33 @@ def _load_average() -> list[float] | None:
         return None
 
 
+_ALLOCATOR_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                        "THP_MEM_ALLOC_ENABLE", "NORMKIT_HUGEPAGES", "LD_PRELOAD")
+
+
+def allocator() -> dict:
+    """How large CPU buffers are allocated in this process: the transparent-huge-page
+    setting, whether normkit advises huge pages (:mod:`normkit.kernels.memory`) and the
+    allocator variables set in the environment (glibc's heap reuse, torch's THP switch, a
+    preloaded jemalloc/tcmalloc). Large out-of-place ops are bound by first-touch page
+    faults, so their times depend on these.
+
+    Example:
+        >>> sorted(allocator())
+        ['normkit_huge_pages', 'transparent_hugepage', 'variables']
+    """
+    from ..kernels import memory
+
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().strip()
+    except OSError:
+        thp = None
+    return {"transparent_hugepage": thp,
+            "normkit_huge_pages": memory.huge_pages_available(),
+            "variables": {k: os.environ[k] for k in _ALLOCATOR_VARIABLES if k in os.environ}}
+
+
 def environment(config: BenchConfig) -> dict:
     """The machine and software a run happens on (the ``environment`` of the JSON).
 
@@ -243,6 +272,7 @@ def environment(config: BenchConfig) -> dict:
                           "cpu: distinct storages saved for backward (saved_tensors_hooks) "
                           "plus outputs"),
         "load_average": {"start": _load_average(), "end": None},
+        "allocator": allocator(),
     }
 
 

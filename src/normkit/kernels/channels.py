@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .memory import empty_like, out_like
 from .native import CHANNELS_LAST_MAX_COUNT, reference_grads, well_conditioned
 
 __all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "supports", "moments", "affine",
@@ -223,14 +224,14 @@ def _slice_affine(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
         # (written through a view of a fresh tensor: the result itself is not a view, so
         # autograd lets callers modify it in place, e.g. an inplace ReLU)
         unit = torch.ones(n * c, dtype=x.dtype, device=x.device)
-        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        y = empty_like(x, memory_format=torch.contiguous_format)
         _ATEN.native_batch_norm.out(
             x.view(1, n * c, -1), _per_slice(scale, n), _per_slice(shift, n),
             torch.zeros_like(unit), unit, False, 0.0, 0.0, out=y.view(1, n * c, -1),
             save_mean=x.new_empty(0), save_invstd=x.new_empty(0))
         return y
     view = (-1, c) + (1,) * (x.dim() - 2)
-    return torch.addcmul(shift.view(view), x, scale.view(view))
+    return torch.addcmul(shift.view(view), x, scale.view(view), out=out_like(x))
 
 
 def affine(x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,

@@ -41,6 +41,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .memory import empty_like
+
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "layer_norm", "batch_norm_train",
@@ -285,7 +287,7 @@ class _ColumnNormFunction(torch.autograd.Function):
             db = g.sum((0, 2))
         if need_x:
             gx = g * weight.view(1, -1, 1) if weight is not None else g
-            dx = torch.empty_like(x)
+            dx = empty_like(x)
             # written in place through out=, which needs every output defined: a unit
             # weight and two small scratch outputs for the column sums it also returns
             unit = x.new_ones(x.shape[2])
@@ -326,7 +328,7 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
         return None
     n, c = x.shape[:2]
     v = x.detach().view(n, c, -1)
-    xhat = torch.empty_like(v)
+    xhat = empty_like(v)
     mean = v.new_empty(n, 1, v.shape[2])
     invstd = torch.empty_like(mean)
     for i in range(n):

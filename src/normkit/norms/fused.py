@@ -105,6 +105,7 @@ from .. import _stats
 from .. import functional as F
 from ..kernels import channels, library, native
 from ..kernels import triton as tk
+from ..kernels.memory import out_like
 from ._base import BackendMixin
 from ._core import (
     affine_view,
@@ -317,9 +318,10 @@ def _residual_sum(x: Tensor, residual: Tensor | None, dtype: torch.dtype) -> Ten
     if residual is None:
         s = x.to(dtype)
     elif torch.promote_types(x.dtype, residual.dtype) == dtype:
-        s = torch.add(x, residual)
+        s = torch.add(x, residual, out=out_like(x, dtype, torch.contiguous_format))
     else:
-        s = torch.add(x.to(dtype), residual.to(dtype))
+        s = torch.add(x.to(dtype), residual.to(dtype),
+                      out=out_like(x, dtype, torch.contiguous_format))
     return s if s.is_contiguous() else s.contiguous()
 
 
@@ -349,7 +351,9 @@ class _AddNormFunction(torch.autograd.Function):
         else:
             sc = _stats.upcast(rows)
             rstd = _stats.mean_square(sc, (1,)).add_(eps).rsqrt_()  # (M, 1)
-            y = torch.mul(sc, rstd)
+            # (an upcast copy is scaled in place; else a new output, on huge pages when
+            # large: kernels.memory)
+            y = sc.mul_(rstd) if sc is not rows else torch.mul(sc, rstd, out=out_like(sc))
             if w is not None:
                 y.mul_(w)
             y = y.view(s.shape)
@@ -798,9 +802,9 @@ def _scale_shift(x: Tensor, scale: Tensor, shift: Tensor, overwrite: bool) -> Te
     multiply followed by an in-place add; on channels-last it is the faster one.)
     """
     if x.is_contiguous():
-        return (x.mul_(scale) if overwrite else torch.mul(x, scale)).add_(shift)
-    return torch.addcmul(shift, x, scale, out=x) if overwrite else torch.addcmul(shift, x,
-                                                                                scale)
+        return (x.mul_(scale) if overwrite else
+                torch.mul(x, scale, out=out_like(x))).add_(shift)
+    return torch.addcmul(shift, x, scale, out=x if overwrite else out_like(x))
 
 
 def _unrecoverable_channels(weight: Tensor | None, bias: Tensor | None, x: Tensor

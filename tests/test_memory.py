@@ -1,0 +1,186 @@
+"""Huge-page outputs (normkit.kernels.memory): the advice itself, and every composition
+that writes its large output through ``out_like`` giving the same values, gradients and
+layout as with torch's own allocation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from cases import make_input, memory_format_of
+from oracle import assert_close, normalize64
+
+from normkit import functional as F
+from normkit.kernels import channels, memory
+from normkit.norms.fused import add_layer_norm, add_rms_norm, batch_norm_act, group_norm_act
+
+MIB = 1 << 20
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that contains ``address`` (/proc/self/smaps)."""
+    inside, flags = False, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    assert flags is not None, f"no mapping holds {address:#x}"
+    return flags
+
+
+def test_small_or_gpu_results_are_left_to_torch():
+    x = torch.ones(1000)
+    assert memory.out_like(x) is None
+    assert memory.advise_huge_pages(x) is False
+    assert memory.empty_like(x).shape == x.shape
+    if memory.huge_pages_available():
+        big = torch.empty(0).new_empty(memory.MIN_BYTES // 4, device="meta")
+        assert memory.out_like(big) is None  # not a CPU tensor
+
+
+@pytest.mark.skipif(not memory.huge_pages_available(),
+                    reason="needs Linux with transparent huge pages in madvise mode")
+def test_fresh_large_output_is_advised_and_touched_memory_is_not():
+    like = torch.empty(memory.MIN_BYTES // 4 + 12345)  # never written: fresh pages
+    out = memory.out_like(like)
+    assert out is not None and out.shape == like.shape and out.is_contiguous()
+    middle = out.data_ptr() + out.numel() * 2  # inside the advised interior
+    assert "hg" in _vm_flags(middle)  # MADV_HUGEPAGE recorded on the mapping
+    out.fill_(1.0)
+    assert memory.advise_huge_pages(out) is False  # now resident: no faults left to save
+    assert out.sum().item() == out.numel()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+def test_environment_switch_turns_the_advice_off():
+    code = ("import torch; from normkit.kernels import memory; "
+            "print(memory.huge_pages_available(), "
+            "memory.out_like(torch.empty(memory.MIN_BYTES)) is None)")
+    env = {**os.environ, "NORMKIT_HUGEPAGES": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["False", "True"]
+
+
+@pytest.fixture
+def advised(monkeypatch):
+    """Every output of at least 4 MiB goes through ``out_like`` with a recording ``libc``
+    (so the paths run the same on a machine without transparent huge pages)."""
+    calls = []
+
+    def madvise(address, length, advice):
+        calls.append((address, length, advice))
+        return 0
+
+    def mincore(address, length, vec):
+        return 0  # leaves the residency byte at 0: never touched
+
+    monkeypatch.setattr(memory, "MIN_BYTES", 4 * MIB)
+    monkeypatch.setattr(memory, "_libc", lambda: (madvise, mincore))
+    return calls
+
+
+def _holds(t: torch.Tensor, calls) -> bool:
+    """Whether some advised range lies inside ``t``'s storage."""
+    start = t.untyped_storage().data_ptr()
+    end = start + t.untyped_storage().nbytes()
+    return any(start <= a and a + n <= end for a, n, _ in calls)
+
+
+def _run(fn, inputs):
+    """Outputs and input gradients of ``fn`` (sum of every output against a fixed weight)."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((o.float() * torch.rand(o.shape, generator=gen)).sum() for o in outs)
+    loss.backward()
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+ROWS = (256, 4096 + 8)  # 4 MiB of float32 and a bit: the rows ops' outputs are advised
+IMAGE = (4, 64, 48, 88)  # 4.1 MiB of float32: the per-channel ops' outputs
+
+
+def _rows(*, bias=False):
+    gen = torch.Generator().manual_seed(2)
+    x, r = (make_input(ROWS, torch.float32, "contiguous", seed=s) for s in (0, 3))
+    w, b = torch.rand(ROWS[1], generator=gen) + 0.5, torch.randn(ROWS[1], generator=gen)
+    return [x, r, w, b] if bias else [x, r, w]
+
+
+def _image(layout):
+    gen = torch.Generator().manual_seed(4)
+    c = IMAGE[1]
+    return [make_input(IMAGE, torch.float32, layout), torch.rand(c, generator=gen) + 0.5,
+            torch.randn(c, generator=gen)]
+
+
+# (op, inputs, layout) for every composition that writes a large result through out_like;
+# layouts that take torch's own kernels (which allocate for themselves) are not listed
+CASES = {
+    "rms_norm": (lambda x, r, w: F.rms_norm(x, ROWS[1:], w), _rows, None),
+    "add_rms_norm": (lambda x, r, w: add_rms_norm(x, r, ROWS[1:], w), _rows, None),
+    "add_layer_norm": (lambda x, r, w, b: add_layer_norm(x, r, ROWS[1:], w, b),
+                       lambda: _rows(bias=True), None),
+    "add_rms_norm_bf16_fp32_residual": (
+        lambda x, r, w: add_rms_norm(x.bfloat16(), r.bfloat16(), ROWS[1:], w.bfloat16(),
+                                     residual_in_fp32=True), _rows, None),
+    "group_norm_act_channels_last": (lambda x, w, b: group_norm_act(x, 8, w, b, act="silu"),
+                                     _image, "channels_last"),
+    "group_norm_channels_last": (lambda x, w, b: F.group_norm(x, 8, w, b), _image,
+                                 "channels_last"),
+    "instance_norm_channels_last": (lambda x, w, b: F.instance_norm(x, weight=w, bias=b),
+                                    _image, "channels_last"),
+    "batch_norm_act_nchw": (lambda x, w, b: batch_norm_act(x, None, None, w, b, True,
+                                                           act="leaky_relu"),
+                            _image, "contiguous"),
+    "layer_norm2d_nchw": (lambda x, w, b: F.layer_norm2d(x, w, b), _image, "contiguous"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_huge_page_outputs_equal_torch_allocated_ones(name, advised, monkeypatch):
+    fn, make, layout = CASES[name]
+    inputs = make() if layout is None else make(layout)
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0)
+    outs, grads = _run(fn, inputs)
+    assert advised, f"{name}: no result went through kernels.memory.out_like"
+    advised.clear()
+    monkeypatch.setattr(memory, "MIN_BYTES", 1 << 62)  # torch allocates everything
+    ref_outs, ref_grads = _run(fn, inputs)
+    assert not advised
+    for got, want in zip(outs + grads, ref_outs + ref_grads, strict=True):
+        if want is None:  # (an input the op does not use)
+            assert got is None
+            continue
+        assert torch.equal(got, want), f"{name}: values differ from torch's allocation"
+        assert got.stride() == want.stride(), f"{name}: layout {got.stride()} != {want.stride()}"
+    assert memory_format_of(outs[0]) == memory_format_of(inputs[0])
+
+
+def test_rms_norm_on_huge_pages_matches_float64(advised):
+    x, _, w = _rows()
+    y = F.rms_norm(x, ROWS[1:], w, 1e-6)
+    assert _holds(y, advised)
+    assert_close(y, normalize64(x, (1,), w, eps=1e-6, center=False), torch.float32)
+
+
+def test_mincore_residency_stops_the_advice(monkeypatch):
+    def mincore(address, length, vec):
+        vec[0] = 1  # resident
+        return 0
+
+    calls = []
+    monkeypatch.setattr(memory, "MIN_BYTES", 4 * MIB)
+    monkeypatch.setattr(memory, "_libc", lambda: (lambda *a: calls.append(a) or 0, mincore))
+    out = memory.out_like(torch.empty(2 * MIB))  # 8 MiB of float32
+    assert out is not None and out.numel() == 2 * MIB
+    assert calls == []  # reused memory: no advice
