@@ -184,3 +184,10 @@ def test_mincore_residency_stops_the_advice(monkeypatch):
     out = memory.out_like(torch.empty(2 * MIB))  # 8 MiB of float32
     assert out is not None and out.numel() == 2 * MIB
     assert calls == []  # reused memory: no advice
+
+
+def test_no_advice_while_compiling(advised, monkeypatch):
+    """Traced tensors have no memory: under torch.compile the op allocates as usual."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert memory.out_like(torch.empty(2 * MIB)) is None
+    assert advised == []
