@@ -216,8 +216,14 @@ def _slice_affine(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     if scale.shape[0] == 1 and shift.shape[0] == 1 and not x.is_contiguous():
         # per channel on channels-last: torch's inference BatchNorm kernel on x itself
         unit = torch.ones(c, dtype=x.dtype, device=x.device)
-        return torch.native_batch_norm(x, scale.reshape(c), shift.reshape(c),
-                                       torch.zeros_like(unit), unit, False, 0.0, 0.0)[0]
+        args = (x, scale.reshape(c), shift.reshape(c), torch.zeros_like(unit), unit, False,
+                0.0, 0.0)
+        out = out_like(x)  # (large: huge pages, kernels.memory; else torch allocates, as
+        if out is None:    # the out= overload's call costs ~30 us more)
+            return torch.native_batch_norm(*args)[0]
+        _ATEN.native_batch_norm.out(*args, out=out, save_mean=x.new_empty(0),
+                                    save_invstd=x.new_empty(0))
+        return out
     if x.is_contiguous():
         # torch's inference BatchNorm kernel on the (1, N*C, L) view: one pass, and
         # faster than a broadcast addcmul (running_var = 1 and eps = 0 make it exact)
