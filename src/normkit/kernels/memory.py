@@ -16,6 +16,12 @@ transparent huge pages are off (``never``) or already on for all memory (``alway
 off Linux, or with ``NORMKIT_HUGEPAGES=0`` in the environment. torch's kernels allocate
 their outputs themselves; for those, torch's own switch ``THP_MEM_ALLOC_ENABLE=1`` (read
 once at start-up) gives every allocation the advice.
+
+The trade-off is the kernel's: with ``/sys/kernel/mm/transparent_hugepage/defrag`` at its
+usual ``madvise``, a fault in an advised range may compact memory to find a free 2 MiB
+page, which on a long-running machine with fragmented memory can stall that fault
+(never seen here: ``compact_stall`` in ``/proc/vmstat`` stayed 0 over every benchmark).
+``NORMKIT_HUGEPAGES=0`` is the way out if it shows.
 """
 
 from __future__ import annotations
