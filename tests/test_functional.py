@@ -235,3 +235,62 @@ def test_small_channels_last_instance_norm(offset):
     tm(x.detach())
     torch.testing.assert_close(module.running_mean, tm.running_mean)
     torch.testing.assert_close(module.running_var, tm.running_var, rtol=1e-4, atol=1e-6)
+
+
+def _composite_calls(monkeypatch) -> list:
+    """Record every call of torch's RMSNorm composite (normkit's small-input path)."""
+    calls, original = [], TF.rms_norm
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(TF, "rms_norm", spy)
+    return calls
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_small_rows_take_torchs_composite_below_the_rule(grad, monkeypatch):
+    """Below SMALL_ROWS_COMPOSITE_BELOW (with / without a gradient) RMSNorm and add+RMSNorm
+    run torch's composite, at and above it normkit's fused node; both match float64."""
+    from oracle import assert_close, assert_grad_close, normalize64
+
+    from normkit.norms.fused import add_rms_norm
+
+    calls = _composite_calls(monkeypatch)
+    below = F.SMALL_ROWS_COMPOSITE_BELOW[not grad]
+    gen = torch.Generator().manual_seed(0)
+    for rows, composite in ((below // 64 - 1, True), (below // 64, False)):
+        x = torch.randn(rows, 64, generator=gen).requires_grad_(grad)
+        r = torch.randn(rows, 64, generator=gen).requires_grad_(grad)
+        w = (torch.rand(64, generator=gen) + 0.5).requires_grad_(grad)
+        calls.clear()
+        y = F.rms_norm(x, 64, w, 1e-6)
+        normed, s = add_rms_norm(x, r, 64, w, 1e-6)
+        assert len(calls) == (2 if composite else 0), (rows * 64, calls)
+        assert torch.equal(s, x + r)
+        for out, src in ((y, x), (normed, s)):
+            assert_close(out, normalize64(src.detach(), (1,), w.detach(), eps=1e-6,
+                                          center=False), torch.float32)
+        if grad:  # the input and weight gradients of either path against float64
+            x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+            normalize64(x64, (1,), w64, eps=1e-6, center=False).sum().backward()
+            y.sum().backward()
+            assert_grad_close(x.grad, x64.grad, torch.float32, "dx")
+            assert_grad_close(w.grad, w64.grad, torch.float32, "dw")
+
+
+def test_small_add_layer_norm_keeps_normkits_layer_norm(monkeypatch):
+    """The small add+LayerNorm path adds, then runs normkit's layer_norm: an offset row
+    still takes the compensated statistics."""
+    from oracle import assert_close, normalize64
+
+    from normkit.norms.fused import add_layer_norm
+
+    x = (torch.randn(4, 32, dtype=torch.float64) + 3e4).float()
+    r = torch.randn(4, 32)
+    normed, s = add_layer_norm(x, r, 32)
+    assert torch.equal(s, x + r)
+    assert_close(normed, normalize64(s, (1,)), torch.float32)
+    monkeypatch.setattr(F, "SMALL_ROWS_COMPOSITE_BELOW", (0, 0))  # the fused node agrees
+    torch.testing.assert_close(add_layer_norm(x, r, 32)[0], normed, rtol=0, atol=2e-6)

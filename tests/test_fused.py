@@ -35,6 +35,9 @@ from normkit.norms.fused import (
     make_activation,
 )
 
+# small inputs through normkit's fused rows node, not torch's composite (conftest.py)
+pytestmark = pytest.mark.usefixtures("fused_rows_node")
+
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 LAYOUTS = ["contiguous", "channels_last"]
 

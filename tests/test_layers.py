@@ -7,6 +7,9 @@ import torch
 from cases import CASE_IDS, CASES, DTYPES, LAYOUTS, float64_twin, make_input, memory_format_of
 from oracle import assert_close, assert_grad_close, reference_forward
 
+# small inputs through normkit's fused rows node, not torch's composite (conftest.py)
+pytestmark = pytest.mark.usefixtures("fused_rows_node")
+
 
 def _run(case, dtype, layout, affine, training, backend="auto", **kwargs):
     x = make_input(case.shape, dtype, layout)

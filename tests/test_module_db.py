@@ -7,6 +7,9 @@ import torch
 
 import normkit
 
+# small inputs through normkit's fused rows node, not torch's composite (conftest.py)
+pytestmark = pytest.mark.usefixtures("fused_rows_node")
+
 common_modules = pytest.importorskip("torch.testing._internal.common_modules")
 
 DROP_INS = {

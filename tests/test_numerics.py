@@ -7,6 +7,9 @@ import torch
 from cases import CASE_IDS, CASES, float64_twin, make_input
 from oracle import assert_close, assert_grad_close, reference_forward
 
+# small inputs through normkit's fused rows node, not torch's composite (conftest.py)
+pytestmark = pytest.mark.usefixtures("fused_rows_node")
+
 BATCH_STAT_FAMILIES = ("Batch", "Instance")
 
 

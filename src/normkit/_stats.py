@@ -135,6 +135,8 @@ def mean_square(x: Tensor, dims: Sequence[int]) -> Tensor:
 
 def _reduces_innermost(x: Tensor, dims: tuple[int, ...]) -> bool:
     """True when ``dims`` are the innermost block of ``x`` in memory (row-like reduction)."""
+    if dims == tuple(range(x.dim() - len(dims), x.dim())) and x.is_contiguous():
+        return True  # (the common case, decided without sorting strides)
     real = [d for d in range(x.dim()) if x.shape[d] > 1]
     reduced = {d for d in dims if x.shape[d] > 1}
     by_stride = sorted(real, key=lambda d: x.stride(d))
