@@ -49,12 +49,13 @@ __all__ = [
 #: Below these element counts (with a gradient to compute, without) RMSNorm and the
 #: residual-add norms of :mod:`normkit.norms.fused` run as torch's own composite of a few
 #: ATen ops (``torch.nn.functional.rms_norm``; ``x + residual`` then :func:`layer_norm`)
-#: instead of normkit's fused node: its fixed cost (Python and one autograd node, ~35 us)
-#: is larger than the whole op there. Measured, RMSNorm, float32, 1 and 2 threads:
-#: forward+backward the fused node is 0.55-0.8x torch up to 16384 elements, 0.7-1.2x at
-#: 32768, 1.1-1.3x at 65536 and 1.5-2.1x at 131072; forward alone 0.24-0.7x up to 131072
-#: and 0.64-1.0x at 262144. RMSNorm has no mean to cancel, so the composite is as accurate.
-SMALL_ROWS_COMPOSITE_BELOW = (1 << 15, 1 << 17)
+#: instead of normkit's fused node: its fixed cost (Python and one autograd node) is
+#: larger than the whole op there. RMSNorm, float32, fused node against torch's composite
+#: (``benchmarks/small_rows.py``, 1 and 2 threads, two runs): forward+backward 0.56-0.72x
+#: up to 16384 elements, 0.85-0.98x at 32768, 1.01-1.13x at 65536, 1.2-1.6x at 131072;
+#: forward without a gradient 0.4-0.85x up to 131072, 0.78-1.14x at 262144, 0.97-1.36x at
+#: 524288. RMSNorm has no mean to cancel, so the composite is as accurate.
+SMALL_ROWS_COMPOSITE_BELOW = (1 << 16, 1 << 18)
 
 
 def _small_rows(x: Tensor, backend: str, *params: Tensor | None) -> bool:
