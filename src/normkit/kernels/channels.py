@@ -218,8 +218,8 @@ def _slice_affine(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
         unit = torch.ones(c, dtype=x.dtype, device=x.device)
         args = (x, scale.reshape(c), shift.reshape(c), torch.zeros_like(unit), unit, False,
                 0.0, 0.0)
-        out = out_like(x)  # (large: huge pages, kernels.memory; else torch allocates, as
-        if out is None:    # the out= overload's call costs ~30 us more)
+        out = out_like(x)  # (large: huge pages, kernels.memory; else torch allocates: the
+        if out is None:    # out= overload's call was 5% slower at 32x256x14x14)
             return torch.native_batch_norm(*args)[0]
         _ATEN.native_batch_norm.out(*args, out=out, save_mean=x.new_empty(0),
                                     save_invstd=x.new_empty(0))

@@ -3,10 +3,10 @@
 On Linux a new buffer costs one page fault per 4 KiB page the first time it is written.
 glibc serves every allocation of 32 MiB or more with a fresh ``mmap`` (and returns it to
 the system on free), so an out-of-place op on such a tensor pays those faults on every
-call: on the project's machine a 64 MiB output costs ~20 ms of faults against ~6 ms to
-copy 64 MiB into memory already touched (``x.clone()`` 26 ms, ``dst.copy_(x)`` 6 ms).
-Advising the fresh buffer ``MADV_HUGEPAGE`` before the first write makes the kernel
-fault 2 MiB pages instead, 512 times fewer (the same clone: 11 ms).
+call (on the project's machine ~20 ms for a 64 MiB output, more than the op's own
+memory traffic). Advising the fresh buffer ``MADV_HUGEPAGE`` before the first write makes
+the kernel fault 2 MiB pages instead, 512 times fewer: RMSNorm's forward at 4096 x 4096
+went from 42 to 25 ms (``benchmarks/RESULTS.md``, "Page faults", with the command).
 
 :func:`out_like` allocates through torch and gives that advice to CPU buffers of at
 least :data:`MIN_BYTES` whose memory has not been touched yet (a ``mincore`` check, so
