@@ -118,6 +118,7 @@ from ._core import (
     shape_str,
 )
 from .batch import _BatchNormForward
+from .group import TorchGroupNorm
 
 __all__ = [
     "ACTIVATIONS",
@@ -1327,7 +1328,7 @@ class BatchNormAct3d(_BatchNormActForward, nn.BatchNorm3d):
                                  shape=":math:`(N, C, D, H, W)`")
 
 
-class GroupNormAct(BackendMixin, nn.GroupNorm):
+class GroupNormAct(BackendMixin, TorchGroupNorm):
     r"""GroupNorm (Wu & He 2018) fused with an activation: ``act(group_norm(x))``.
 
     A subclass of :class:`torch.nn.GroupNorm` (same constructor, parameters and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 from torch import Tensor, nn
@@ -12,8 +13,38 @@ from ._core import check_channels, check_floating, shape_str
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
+#: Whether this torch's ``nn.GroupNorm`` takes the keyword-only ``bias`` (recent releases
+#: do; torch 2.11, for one, does not).
+TORCH_GROUP_NORM_TAKES_BIAS = "bias" in inspect.signature(nn.GroupNorm.__init__).parameters
 
-class GroupNorm(BackendMixin, nn.GroupNorm):
+
+class _GroupNormBiasKeyword(nn.GroupNorm):
+    """``nn.GroupNorm`` with the ``bias`` keyword of recent torch releases, for torch
+    releases without it: ``bias=False`` registers no bias (``state_dict`` has only
+    ``weight``), and ``repr`` names ``bias`` as recent releases do."""
+
+    def __init__(self, *args, bias: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.affine and not bias:
+            self.bias = None  # (a None parameter, what recent torch registers for bias=False)
+
+    def reset_parameters(self) -> None:
+        if self.affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, "
+                f"affine={self.affine}, bias={self.bias is not None}")
+
+
+#: The torch.nn GroupNorm normkit's GroupNorm layers subclass: torch's own, or, on torch
+#: releases whose GroupNorm has no ``bias`` keyword, a subclass that adds it.
+TorchGroupNorm = nn.GroupNorm if TORCH_GROUP_NORM_TAKES_BIAS else _GroupNormBiasKeyword
+
+
+class GroupNorm(BackendMixin, TorchGroupNorm):
     r"""Group Normalization (Wu & He 2018) over groups of channels of ``(N, C, *)`` input.
 
     .. math:: y = \frac{x - \mathrm{E}_g[x]}{\sqrt{\mathrm{Var}_g[x] + \epsilon}} \gamma_c + \beta_c

@@ -169,7 +169,7 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
         >>> normkit.convert_norms(net, "gn")[1]
         GroupNorm(32, 64, eps=1e-05, affine=True, bias=True)
         >>> normkit.convert_norms(net, "ln")[1]
-        LayerNorm2d((64,), eps=1e-05, elementwise_affine=True, bias=True)
+        LayerNorm2d((64,), eps=1e-05, elementwise_affine=True...)
     """
     if where is None:
         def selected(name, module):
