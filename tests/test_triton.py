@@ -38,6 +38,9 @@ pytest.importorskip("triton")
 
 from normkit.kernels import triton as tk  # noqa: E402
 
+if WANT_INTERPRETER and tk.interpreter_problem() is not None:
+    pytest.skip(tk.interpreter_problem(), allow_module_level=True)
+
 _CHILD = "NORMKIT_TRITON_TEST_CHILD"
 #: triton was imported without the interpreter before this module: rerun in a new process.
 RERUN = WANT_INTERPRETER and not tk.interpreting() and not os.environ.get(_CHILD)

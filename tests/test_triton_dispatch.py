@@ -14,9 +14,16 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not installed")
+from normkit.kernels import triton as tk  # (does not import triton)
+
+#: Why the interpreter cannot run the kernels here (old Triton, new NumPy), or None.
+PROBLEM = tk.interpreter_problem() if importlib.util.find_spec("triton") else None
+
+needs_interpreter = [pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                        reason="triton is not installed"),
+                     pytest.mark.skipif(PROBLEM is not None, reason=str(PROBLEM))]
 
 SCRIPT = textwrap.dedent('''
     import copy, json
@@ -57,6 +64,8 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+@needs_interpreter[0]
+@needs_interpreter[1]
 def test_triton_backend_matches_the_default_path():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
@@ -67,3 +76,29 @@ def test_triton_backend_matches_the_default_path():
     for name, case in result.items():
         assert "Function" in case["node"] and "Native" not in case["node"], (name, case)
         assert max(case["errors"]) < 1e-5, (name, case["errors"])
+
+
+@pytest.mark.parametrize("triton_version,numpy_version,broken", [
+    ("3.6.0", "2.4.0", True), ("3.0.0", "2.5.2", True), ("3.6.0", "2.3.5", False),
+    ("3.6.0", "1.26.4", False), ("3.7.0", "2.4.6", False), ("3.9.0", "2.5.5", False),
+    ("3.10.0rc1", "2.4.0", False),
+])
+def test_interpreter_problem_names_the_versions(triton_version, numpy_version, broken):
+    problem = tk.interpreter_problem(triton_version, numpy_version)
+    assert (problem is not None) == broken
+    if broken:
+        assert triton_version in problem and numpy_version in problem
+        assert "triton>=3.7" in problem and "numpy<2.4" in problem
+
+
+def test_cpu_tensors_report_a_broken_interpreter(monkeypatch):
+    """With the interpreter on but unusable, the predicate says no and backend='triton'
+    raises the reason, instead of an InterpreterError from inside a kernel."""
+    monkeypatch.setattr(tk, "interpreting", lambda: True)
+    monkeypatch.setattr(tk, "available", lambda: True)
+    monkeypatch.setattr(tk, "_interpreter_problem", lambda: "triton 3.6.0 ... numpy<2.4")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(4, 8)
+    assert not tk.supports_layer_norm(x, (8,))
+    with pytest.raises(ValueError, match=r"working Triton interpreter.*numpy<2\.4"):
+        tk.layer_norm(x, (8,))

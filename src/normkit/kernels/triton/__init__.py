@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import os
 import sys
 from collections.abc import Sequence
@@ -72,6 +73,7 @@ from torch import Tensor
 __all__ = [
     "available",
     "interpreting",
+    "interpreter_problem",
     "supports_layer_norm",
     "supports_rms_norm",
     "supports_group_norm",
@@ -105,6 +107,43 @@ def available() -> bool:
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _version(text: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``"3.6.0"`` or ``"2.4.0rc1"``."""
+    parts = [int("".join(ch for ch in part if ch.isdigit()) or 0)
+             for part in text.split(".")[:2]]
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def interpreter_problem(triton_version: str | None = None,
+                        numpy_version: str | None = None) -> str | None:
+    """Why Triton's interpreter cannot run normkit's kernels with these versions, or None.
+
+    Triton 3.6 and older turn a loop bound into a Python int with ``int(array)``, which
+    NumPy 2.4 and newer refuse for the 1-element arrays the interpreter holds ("only
+    0-dimensional arrays can be converted to Python scalars"): every kernel with a
+    runtime loop fails there. Triton 3.7 fixed it. Compiled kernels on a GPU are not
+    affected. Defaults to the installed versions.
+
+    Example:
+        >>> interpreter_problem("3.6.0", "2.4.1")[:42]
+        "Triton's interpreter of triton 3.6.0 fails"
+        >>> interpreter_problem("3.6.0", "2.3.5") is None, interpreter_problem("3.7.1", "2.5.0")
+        (True, None)
+    """
+    if triton_version is None:  # (from the installed metadata: triton is not imported)
+        try:
+            triton_version = importlib.metadata.version("triton")
+        except importlib.metadata.PackageNotFoundError:
+            return "the triton package is not installed (pip install triton)"
+    if numpy_version is None:
+        numpy_version = importlib.metadata.version("numpy")
+    if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
+        return (f"Triton's interpreter of triton {triton_version} fails on every kernel with "
+                f"a runtime loop under NumPy {numpy_version} (int() of a 1-element array, "
+                f"refused since NumPy 2.4); install triton>=3.7 or numpy<2.4")
+    return None
 
 
 def interpreting() -> bool:
@@ -149,7 +188,16 @@ def _device_problem(device_type: str, device: str) -> str | None:
         return "the triton package, which is not installed (pip install triton)"
     if device_type == "cpu" and not interpreting():
         return cpu
+    if device_type == "cpu":
+        problem = _interpreter_problem()
+        if problem is not None:
+            return f"a working Triton interpreter for CPU tensors: {problem}"
     return None
+
+
+@functools.cache
+def _interpreter_problem() -> str | None:
+    return interpreter_problem()
 
 
 def _problem_input(x: Tensor) -> str | None:
