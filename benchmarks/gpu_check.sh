@@ -16,6 +16,11 @@
 # step has its own time limit, so the whole run ends within ~9 minutes (H200 HBM3e peak,
 # for the % of peak: 4.8 TB/s; env.txt has nvidia-smi's clocks and memory):
 #   bash benchmarks/gpu_check.sh            (on the GPU machine, from the repo root)
+#
+# GPU_CHECK_DRY=1 rehearses the same steps on the CPU with small shapes and one repeat,
+# the GPU tests skipped (CI runs them through the interpreter): it checks this script,
+# the bench's options and the summary on any machine, so that the one GPU run is not
+# lost to a typo (tests/test_bench.py runs it).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out=${OUT:-gpu-out}
@@ -23,6 +28,13 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # compiled kernels on CUDA tensors, not the interpreter
 python=${PYTHON:-python3}
+failed=""  # the steps that did not exit 0; the script's exit status says whether any
+if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
+    device=cpu shapes=small repeats=1 widths=64x256,64x1024
+else
+    device=cuda shapes=standard repeats=9
+    widths=4096x256,4096x512,4096x1024,4096x2048,4096x4096,4096x8192,4096x16384
+fi
 
 "$python" - > "$out/env.txt" 2>&1 <<'EOF'
 import platform, torch
@@ -40,25 +52,39 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.memory,clocks.max.sm,memor
     --format=csv >> "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-timeout 240 "$python" -m pytest -q -x -p no:cacheprovider \
-    tests/test_triton.py tests/test_triton_dispatch.py > "$out/tests.log" 2>&1
-echo "tests: exit $? (tail of $out/tests.log)"
+if [ "$device" = cuda ]; then
+    timeout 240 "$python" -m pytest -q -x -p no:cacheprovider \
+        tests/test_triton.py tests/test_triton_dispatch.py > "$out/tests.log" 2>&1
+    code=$?; echo "tests: exit $code (tail of $out/tests.log)"
+    [ "$code" = 0 ] || failed="$failed tests"
+else
+    echo "skipped: GPU_CHECK_DRY=1 (the Triton tests run in CI through the interpreter)" \
+        > "$out/tests.log"
+    echo "tests: skipped (dry run)"
+fi
 tail -n 5 "$out/tests.log"
 
-timeout 200 "$python" -m normkit bench --device cuda --repeats 9 --quiet --peak-gbs 4800 \
+timeout 200 "$python" -m normkit bench --device "$device" --shapes "$shapes" \
+    --repeats "$repeats" --quiet --peak-gbs 4800 \
     --json "$out/results-gpu.json" --markdown "$out/RESULTS-gpu.md" > "$out/bench.log" 2>&1
-echo "bench: exit $? (tail of $out/bench.log)"
+code=$?; echo "bench: exit $code (tail of $out/bench.log)"
+[ "$code" = 0 ] || failed="$failed bench"
 tail -n 5 "$out/bench.log"
 
-widths=4096x256,4096x512,4096x1024,4096x2048,4096x4096,4096x8192,4096x16384
 timeout 90 "$python" -m normkit bench layer_norm rms_norm add_layer_norm add_rms_norm \
-    --device cuda --shapes "$widths" --repeats 7 --quiet --peak-gbs 4800 \
+    --device "$device" --shapes "$widths" --repeats "$repeats" --quiet --peak-gbs 4800 \
     --json "$out/results-gpu-widths.json" \
     --markdown "$out/RESULTS-gpu-widths.md" > "$out/sweep.log" 2>&1
-echo "sweep: exit $? (tail of $out/sweep.log)"
+code=$?; echo "sweep: exit $code (tail of $out/sweep.log)"
+[ "$code" = 0 ] || failed="$failed sweep"
 tail -n 5 "$out/sweep.log"
 
 "$python" -m normkit bench --summarize "$out/results-gpu.json" "$out/results-gpu-widths.json" \
     > "$out/targets-gpu.md" 2>&1
-echo "targets: exit $? ($out/targets-gpu.md)"
+code=$?; echo "targets: exit $code ($out/targets-gpu.md)"
+[ "$code" = 0 ] || failed="$failed targets"
 cat "$out/targets-gpu.md"
+if [ -n "$failed" ]; then
+    echo "failed steps:$failed"
+    exit 1
+fi

@@ -516,3 +516,28 @@ def test_compile_times_torch_and_normkit_under_torch_compile():
             assert entry["ms"] > 0 and entry["compile_s"] > 0 and entry["ratio"] > 0
     text = report.to_markdown(doc)
     assert "normkit.compile 1st s" in text and "not requested" not in text
+
+
+def test_gpu_check_script_rehearses_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.sh is run once per lent GPU, never in CI: its dry run checks
+    the script itself, the bench options it passes and the summary step on the CPU."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu-out"
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(out), "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh")], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    for step in ("bench", "sweep", "targets"):
+        assert f"{step}: exit 0" in done.stdout, done.stdout[-3000:]
+    assert "tests: skipped (dry run)" in done.stdout
+    full = json.loads((out / "results-gpu.json").read_text())
+    widths = json.loads((out / "results-gpu-widths.json").read_text())
+    for doc in (full, widths):
+        assert doc["environment"]["device"] == "cpu"
+        assert doc["environment"]["peak_bandwidth_gbs"] == 4800
+        assert doc["results"]
+    assert {r["op"] for r in widths["results"]} == {"layer_norm", "rms_norm", "add_layer_norm",
+                                                   "add_rms_norm"}
+    assert "| BatchNorm2d" in (out / "RESULTS-gpu.md").read_text()
+    targets = (out / "targets-gpu.md").read_text()
+    assert targets.startswith("## Issue #6 targets") and "results-gpu-widths.json" in targets
