@@ -13,7 +13,8 @@
 #
 # Needs a python3 with a CUDA build of torch, triton, pytest, hypothesis and numpy (the
 # device machine's image has them); normkit runs from src/ without installing. Each
-# step has its own time limit, so the whole run ends within ~9 minutes (H200 HBM3e peak,
+# step has its own time limit (a bench stopped by it still writes the passes it measured,
+# marked interrupted), so the whole run ends within ~9 minutes (H200 HBM3e peak,
 # for the % of peak: 4.8 TB/s; env.txt has nvidia-smi's clocks and memory):
 #   bash benchmarks/gpu_check.sh            (on the GPU machine, from the repo root)
 #
@@ -53,7 +54,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.memory,clocks.max.sm,memor
 cat "$out/env.txt"
 
 if [ "$device" = cuda ]; then
-    timeout 240 "$python" -m pytest -q -x -p no:cacheprovider \
+    timeout -k 15 240 "$python" -m pytest -q -x -p no:cacheprovider \
         tests/test_triton.py tests/test_triton_dispatch.py > "$out/tests.log" 2>&1
     code=$?; echo "tests: exit $code (tail of $out/tests.log)"
     [ "$code" = 0 ] || failed="$failed tests"
@@ -64,14 +65,14 @@ else
 fi
 tail -n 5 "$out/tests.log"
 
-timeout 200 "$python" -m normkit bench --device "$device" --shapes "$shapes" \
+timeout -k 15 200 "$python" -m normkit bench --device "$device" --shapes "$shapes" \
     --repeats "$repeats" --quiet --peak-gbs 4800 \
     --json "$out/results-gpu.json" --markdown "$out/RESULTS-gpu.md" > "$out/bench.log" 2>&1
 code=$?; echo "bench: exit $code (tail of $out/bench.log)"
 [ "$code" = 0 ] || failed="$failed bench"
 tail -n 5 "$out/bench.log"
 
-timeout 90 "$python" -m normkit bench layer_norm rms_norm add_layer_norm add_rms_norm \
+timeout -k 15 90 "$python" -m normkit bench layer_norm rms_norm add_layer_norm add_rms_norm \
     --device "$device" --shapes "$widths" --repeats "$repeats" --quiet --peak-gbs 4800 \
     --json "$out/results-gpu-widths.json" \
     --markdown "$out/RESULTS-gpu-widths.md" > "$out/sweep.log" 2>&1

@@ -483,6 +483,44 @@ def test_cli_writes_json_and_markdown(tmp_path, capsys):
     assert markdown.splitlines()[5] == data["command"]
 
 
+def test_interrupted_run_keeps_the_measured_passes(tmp_path, capsys, monkeypatch):
+    """Ctrl-C or SIGTERM (gpu_check.sh's per-step timeout) mid-run: the passes measured so
+    far are written, marked interrupted, and the exit code is 3."""
+    def stop_after_three(done, total, label):
+        if done == 3:
+            raise KeyboardInterrupt
+
+    doc = run(BenchConfig(ops=("layer_norm",), shapes="4x8,6x8,8x8", **TINY),
+              progress=stop_after_three)
+    assert doc["interrupted"] == "after 3 of 6 passes" and len(doc["results"]) == 3
+    assert "**Interrupted after 3 of 6 passes**" in report.to_markdown(doc)
+
+    real_run = cli.run
+    monkeypatch.setattr(cli, "run", lambda config, **kw: real_run(
+        config, command=kw.get("command"), progress=stop_after_three))
+    json_path, md_path = tmp_path / "partial.json", tmp_path / "partial.md"
+    code = cli.main(["layer_norm", "--shapes", "4x8,6x8", "--repeats", "2", "--min-time", "0",
+                     "--copy-mib", "1", "--quiet", "--json", str(json_path), "--markdown",
+                     str(md_path)], prog="normkit bench")
+    assert code == 3
+    assert "interrupted after 3 of 4 passes" in capsys.readouterr().err
+    assert len(json.loads(json_path.read_text())["results"]) == 3
+    assert "Interrupted after 3 of 4 passes" in md_path.read_text()
+    summary = cli._summarize([str(json_path)], cli.build_parser())
+    assert "(interrupted after 3 of 4 passes: partial)" in summary
+
+
+def test_sigterm_raises_keyboard_interrupt_inside_the_bench_only():
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), cli._sigterm_interrupts():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs between bytecodes
+            pass
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_cli_json_to_stdout(capsys):
     code = cli.main(["rms_norm", "--shapes", "4x8", "--repeats", "2", "--min-time", "0",
                      "--copy-mib", "1", "--quiet", "--json", "-"], prog="normkit bench")

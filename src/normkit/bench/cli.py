@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from .ops import EXTERNALS, OPS, SHAPE_SETS, get_op, op_names
@@ -74,7 +77,9 @@ def _summarize(paths: Sequence[str], parser: argparse.ArgumentParser) -> str:
     lines = markdown_lines(docs)
     if not lines:
         return "No issue #6 target covers these runs.\n"
-    sources = ", ".join(paths)
+    sources = ", ".join(path + (f" (interrupted {doc['interrupted']}: partial)"
+                                if doc.get("interrupted") else "")
+                        for path, doc in zip(paths, docs, strict=True))
     return "\n".join(lines) + f"\n\nRuns: {sources}.\n"
 
 
@@ -191,7 +196,9 @@ def _list_text(device: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
-    """Run ``normkit bench``; returns the exit code (0 all ran, 1 some implementation failed).
+    """Run ``normkit bench``; returns the exit code (0 all ran, 1 some implementation failed,
+    3 interrupted by Ctrl-C or SIGTERM: the passes measured so far are still printed and
+    written, marked as interrupted).
 
     Usage errors (an unknown op, whose message lists the valid ones, a bad shape, an
     unavailable device) exit with code 2 through ``argparse``.
@@ -235,7 +242,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
         reasons = "; ".join(f"{item['op']}: {item['reason']}" for item in skipped)
         parser.error(f"nothing to run with --shapes {args.shapes!r}: {reasons}")
     command = " ".join([prog, shlex.join(args_list)]).strip()
-    with _Progress(not args.quiet) as progress:
+    with _Progress(not args.quiet) as progress, _sigterm_interrupts():
         doc = run(config, command=command, progress=progress)
     doc["environment"]["peak_bandwidth_gbs"] = args.peak_gbs
     markdown = to_markdown(doc)
@@ -249,4 +256,27 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
     if args.markdown is not None:
         with open(args.markdown, "w", encoding="utf-8") as handle:
             handle.write(markdown)
+    if doc.get("interrupted"):
+        print(f"normkit bench: interrupted {doc['interrupted']}; the passes measured so far "
+              "were written", file=sys.stderr)
+        return 3
     return 1 if errors(doc) else 0
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """Within the block, SIGTERM (``timeout``, a job scheduler) raises KeyboardInterrupt,
+    so :func:`normkit.bench.runner.run` returns the passes measured so far and they are
+    written; the previous handler is restored after it (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

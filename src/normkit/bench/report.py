@@ -177,6 +177,9 @@ def to_markdown(doc: dict) -> str:
         f"measurement repeats the call to last >= {settings['min_time_s'] * 1e3:g} ms",
         "",
     ]
+    if doc.get("interrupted"):
+        lines += [f"**Interrupted {doc['interrupted']}**: the rows below are the passes "
+                  "measured before the run was stopped.", ""]
     cols = columns(doc)
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "|".join("---" if c in ("op", "shape", "layout", "pass") else "---:"

@@ -489,6 +489,8 @@ def run(config: BenchConfig | None = None, *, command: str | None = None,
                     if progress is not None:
                         progress(done, total, _label(record))
                 del case
+    except KeyboardInterrupt:  # (Ctrl-C, or SIGTERM through the CLI): keep what was measured
+        doc["interrupted"] = f"after {done} of {total} passes"
     finally:
         torch.set_num_threads(previous_threads)
     env["load_average"]["end"] = _load_average()
