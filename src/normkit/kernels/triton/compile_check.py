@@ -4,6 +4,7 @@
 
     python -m normkit.kernels.triton.compile_check             # sm_90 (H100, H200)
     python -m normkit.kernels.triton.compile_check --arch 80 90
+    python -m normkit.kernels.triton.compile_check --fail-on-spills
 
 Each op runs forward and backward on small CPU tensors with kernel launches intercepted
 (:data:`normkit.kernels.triton._ops.launch_hook`). Every distinct launch (kernel,
@@ -13,6 +14,14 @@ the ``ptxas`` that ships with Triton. This checks what the interpreter cannot: t
 kernels are valid input for Triton's compiler (types, loop-carried values, constexpr
 branches, layouts) and fit the target. It runs nothing on a GPU and measures nothing.
 
+Each line also gives the cubin's resources as Triton's ``cuobjdump`` reads them: ``REG``
+registers per thread and ``LOCAL`` bytes of local memory per thread, which in these
+kernels (no local arrays) means registers spilled to memory, a slowdown a GPU run would
+only show as lost bandwidth. ``--fail-on-spills`` makes a spilling variant a failure (CI
+runs it: ``tests/test_triton_dispatch.py``). The widest rows are what spill first:
+``ROW_BLOCK`` (8192) is set where the float32 backward uses 128 registers at 16 warps,
+the most a 512-thread program can have without spilling.
+
 It needs ``triton`` imported *without* the interpreter (``TRITON_INTERPRET`` unset), and
 uses ``triton.compiler.ASTSource`` as in Triton 3.9 (a semi-public interface).
 """
@@ -20,7 +29,11 @@ uses ``triton.compiler.ASTSource`` as in Triton 3.9 (a semi-public interface).
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -99,10 +112,39 @@ def launches() -> dict[tuple, tuple]:
     return seen
 
 
+_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def _cuobjdump() -> str | None:
+    """The ``cuobjdump`` that ships with Triton's NVIDIA backend, or None."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    return path if os.access(path, os.X_OK) else None
+
+
+def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int] | None:
+    """``{"REG", "STACK", "SHARED", "LOCAL"}`` of a one-kernel cubin, or None if unread."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as handle:
+            handle.write(cubin)
+        done = subprocess.run([cuobjdump, "--dump-resource-usage", path], capture_output=True,
+                              text=True, timeout=60)
+    found = _USAGE.search(done.stdout)
+    if found is None:
+        return None
+    return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, found.groups()),
+                    strict=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90],
                         help="CUDA compute capabilities to compile for (default: 90)")
+    parser.add_argument("--fail-on-spills", action="store_true",
+                        help="count a variant that spills registers (LOCAL > 0) as failed")
     options = parser.parse_args(argv)
     from . import interpreting
 
@@ -113,24 +155,38 @@ def main(argv: list[str] | None = None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    cuobjdump = _cuobjdump()
+    if options.fail_on_spills and cuobjdump is None:
+        print("--fail-on-spills needs the cuobjdump of Triton's NVIDIA backend, not found",
+              file=sys.stderr)
+        return 2
     todo = launches()
-    failures = 0
+    failures = spills = 0
     for arch in options.arch:
         target = GPUTarget("cuda", arch, 32)
-        for (name, _, constexprs, warps), (kernel, signature, values, num_warps) in todo.items():
+        for (name, sig, constexprs, warps), (kernel, signature, values, num_warps) in todo.items():
             start = time.perf_counter()
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, values), target=target,
                                           options={"num_warps": num_warps})
                 status = f"ok   {len(compiled.asm['cubin']):>7} B cubin"
+                usage = None if cuobjdump is None else resource_usage(compiled.asm["cubin"],
+                                                                      cuobjdump)
+                if usage is not None:
+                    status += f"  REG {usage['REG']:>3} LOCAL {usage['LOCAL']}"
+                    if usage["LOCAL"]:
+                        spills += 1
+                        status += " SPILLS"
             except Exception as error:  # report every failing variant, then fail
                 failures += 1
                 status = f"FAIL {type(error).__name__}: {str(error).splitlines()[0][:200]}"
             flags = " ".join(f"{k}={v}" for k, v in constexprs)
-            print(f"sm_{arch} {name:<16} warps={warps:<2} {status}  "
+            dtype = dict(sig).get(kernel.arg_names[0], "")
+            print(f"sm_{arch} {name:<16} {dtype:<5} warps={warps:<2} {status}  "
                   f"({time.perf_counter() - start:.1f}s)  {flags}", flush=True)
-    print(f"{sum(1 for _ in todo) * len(options.arch) - failures} compiled, {failures} failed")
-    return 1 if failures else 0
+    print(f"{sum(1 for _ in todo) * len(options.arch) - failures} compiled, {failures} failed, "
+          f"{spills} spilling registers")
+    return 1 if failures or (options.fail_on_spills and spills) else 0
 
 
 if __name__ == "__main__":
