@@ -125,7 +125,12 @@ def _cuobjdump() -> str | None:
 
 
 def resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int] | None:
-    """``{"REG", "STACK", "SHARED", "LOCAL"}`` of a one-kernel cubin, or None if unread."""
+    """``{"REG", "STACK", "SHARED", "LOCAL"}`` of a one-kernel cubin, or None if unread.
+
+    Example:
+        >>> resource_usage(b"not a cubin", "true") is None  # a tool that prints nothing
+        True
+    """
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as handle:
