@@ -54,7 +54,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.memory,clocks.max.sm,memor
 cat "$out/env.txt"
 
 if [ "$device" = cuda ]; then
-    timeout -k 15 240 "$python" -m pytest -q -x -p no:cacheprovider \
+    timeout -k 15 240 "$python" -m pytest -q -rf -p no:cacheprovider \
         tests/test_triton.py tests/test_triton_dispatch.py > "$out/tests.log" 2>&1
     code=$?; echo "tests: exit $code (tail of $out/tests.log)"
     [ "$code" = 0 ] || failed="$failed tests"
