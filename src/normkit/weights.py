@@ -352,7 +352,11 @@ def weight_norm(module: nn.Module, name: str = "weight", dim: int | None = 0, *,
     _check_dim(dim, param.dim(), who)
     parametrize.register_parametrization(module, name, WeightNorm(dim, backend=backend),
                                          unsafe=True)
-    module.register_load_state_dict_pre_hook(_OldCheckpointHook(name))
+    hook = _OldCheckpointHook(name)
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        module.register_load_state_dict_pre_hook(hook)
+    else:  # torch 2.4: the same hook through the then-private method (public from 2.5)
+        module._register_load_state_dict_pre_hook(hook, with_module=True)
     return module
 
 

@@ -112,7 +112,7 @@ def reference_normalize(
     if center:
         m = _stats.moments(xc, dims)
         centered = m.shifted - m.mean_lo
-        mean, var = m.mean, m.var
+        mean, var = m.mean_hi + m.mean_lo, m.var  # (not the property: torch 2.4 cannot trace it)
     else:
         centered = xc
         var = _stats.mean_square(xc, dims)

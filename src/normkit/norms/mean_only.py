@@ -42,7 +42,7 @@ def reference_mean_only(x: Tensor, dims: tuple[int, ...],
     y = m.shifted - m.mean_lo
     if bias is not None:
         y = y + bias
-    return y.to(x.dtype), m.mean.detach()
+    return y.to(x.dtype), (m.mean_hi + m.mean_lo).detach()  # (torch 2.4 traces no property)
 
 
 class _MeanOnlyFunction(torch.autograd.Function):
@@ -62,7 +62,7 @@ class _MeanOnlyFunction(torch.autograd.Function):
         ctx.dims, ctx.x_dtype = dims, x.dtype
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
-        mean = m.mean
+        mean = m.mean_hi + m.mean_lo
         ctx.mark_non_differentiable(mean)
         return y.to(x.dtype), mean
 
