@@ -280,7 +280,13 @@ def test_compiled_channels_last_batch_norm_is_one_operator_each_way(shape, offse
 
 
 def test_batch_norm_operators_pass_opcheck_on_every_path(monkeypatch):
+    import inspect
+
     from torch.library import opcheck
+
+    if "rtol" not in inspect.signature(opcheck).parameters:
+        pytest.skip("this torch's opcheck takes no tolerances (torch 2.4); the weight and "
+                    "bias gradient sums below need rtol=1e-5")
 
     from normkit.kernels import channels
 

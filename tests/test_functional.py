@@ -55,7 +55,13 @@ def test_autocast_gives_torchs_dtypes_and_values(dtype, input_dtype):
     with torch.autocast("cpu", dtype=dtype):
         for nk, tm in pairs:
             y, yt = nk(x), tm(x)
-            assert y.dtype == yt.dtype, type(nk).__name__
+            # (torch 2.4's composite RMSNorm computes low-precision input in that precision
+            # and returns float32 with a float32 weight; normkit keeps the input's dtype,
+            # as documented and as torch 2.11 and 2.13 do: there the oracle is float64)
+            want = x.dtype if isinstance(nk, normkit.RMSNorm) and x.dtype == dtype else yt.dtype
+            assert y.dtype == want, type(nk).__name__
+            if yt.dtype != want:
+                yt = torch.nn.functional.rms_norm(x.double(), (5,), tm.weight.double())
             tol = 2e-5 if y.dtype == torch.float32 else 2e-2
             torch.testing.assert_close(y.float(), yt.float(), atol=tol, rtol=tol)
 

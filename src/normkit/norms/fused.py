@@ -155,6 +155,18 @@ _RECOVERY_RATIO = {torch.float64: 64.0, torch.float32: 64.0, torch.float16: 4.0,
 # --------------------------------------------------------------------------- activations
 
 
+def _invertible(name: str, negative_slope: float, alpha: float) -> bool:
+    """:attr:`Activation.invertible` as a function (torch 2.4's torch.compile cannot read
+    a NamedTuple's properties, and :func:`make_activation` runs inside compiled code)."""
+    if name == "identity":
+        return True
+    if name == "leaky_relu":
+        return negative_slope > 0.0
+    if name == "elu":
+        return alpha > 0.0
+    return False
+
+
 class Activation(NamedTuple):
     """An activation of the fused layers: forward, derivative and (where it exists) inverse.
 
@@ -185,13 +197,7 @@ class Activation(NamedTuple):
     @property
     def invertible(self) -> bool:
         """True when the input can be recovered from the output (``memory="inplace"``)."""
-        if self.name == "identity":
-            return True
-        if self.name == "leaky_relu":
-            return self.negative_slope > 0.0
-        if self.name == "elu":
-            return self.alpha > 0.0
-        return False
+        return _invertible(self.name, self.negative_slope, self.alpha)
 
     def __call__(self, y: Tensor) -> Tensor:
         """The activation, out of place (differentiable by autograd)."""
@@ -268,7 +274,7 @@ def make_activation(act: str, negative_slope: float = 0.01, alpha: float = 1.0,
     if memory not in MEMORY_MODES:
         raise ValueError(f"{who} expected memory to be one of {MEMORY_MODES}, got {memory!r}")
     activation = Activation(act, float(negative_slope), float(alpha))
-    if memory == "inplace" and not activation.invertible:
+    if memory == "inplace" and not _invertible(act, float(negative_slope), float(alpha)):
         raise ValueError(
             f"{who} with memory='inplace' expected an invertible activation "
             f"({', '.join(INVERTIBLE_ACTIVATIONS)}; leaky_relu needs negative_slope > 0 and "
@@ -919,7 +925,7 @@ def _activate_output(act: Activation, y: Tensor) -> tuple[Tensor, Tensor | None]
     out of place, keeping the pre-activation ``y`` for the backward (as torch would)."""
     if act.from_output:
         return act.apply_(y), None
-    return act(y), y
+    return Activation.__call__(act, y), y  # (as in _activate: traceable on older torch)
 
 
 def _kept_output(act: Activation, z: Tensor) -> Tensor | None:
@@ -1061,7 +1067,9 @@ def batch_norm_act(
 def _activate(activation: Activation, y: Tensor, reference: bool) -> Tensor:
     """The activation of a fresh norm output: in place unless autograd needs ``y``."""
     if reference or (torch.is_grad_enabled() and y.requires_grad):
-        return activation(y)
+        # (the method, not the instance, is called: torch.compile of torch 2.4 to 2.8
+        # cannot call a NamedTuple instance)
+        return Activation.__call__(activation, y)
     return activation.apply_(y)
 
 

@@ -120,16 +120,26 @@ def interpreter_problem(triton_version: str | None = None,
                         numpy_version: str | None = None) -> str | None:
     """Why Triton's interpreter cannot run normkit's kernels with these versions, or None.
 
-    Triton 3.6 and older turn a loop bound into a Python int with ``int(array)``, which
-    NumPy 2.4 and newer refuse for the 1-element arrays the interpreter holds ("only
-    0-dimensional arrays can be converted to Python scalars"): every kernel with a
-    runtime loop fails there. Triton 3.7 fixed it. Compiled kernels on a GPU are not
-    affected. Defaults to the installed versions.
+    Two Triton bugs, both in the interpreter only (compiled kernels on a GPU are not
+    affected), found by running normkit's interpreter tests on each release:
+
+    * Triton 3.0 and 3.1 under NumPy 2: every store a kernel makes is lost, silently
+      (the tensors keep what they held). Measured: a plain vector store; the tests then
+      fail with garbage. With NumPy 1.26 both releases pass every test.
+    * Triton 3.6 and older under NumPy 2.4+: the interpreter turns loop bounds into
+      Python ints with ``int(array)``, which NumPy 2.4 refuses for its 1-element arrays
+      ("only 0-dimensional arrays can be converted to Python scalars"), so every kernel
+      with a runtime loop fails. Fixed in Triton 3.7.
+
+    Defaults to the installed versions (read from the package metadata; triton is not
+    imported).
 
     Example:
         >>> interpreter_problem("3.6.0", "2.4.1")[:42]
         "Triton's interpreter of triton 3.6.0 fails"
-        >>> interpreter_problem("3.6.0", "2.3.5") is None, interpreter_problem("3.7.1", "2.5.0")
+        >>> interpreter_problem("3.1.0", "2.0.2")[:46]
+        "Triton's interpreter of triton 3.1.0 loses the"
+        >>> interpreter_problem("3.1.0", "1.26.4") is None, interpreter_problem("3.7.1", "2.5.0")
         (True, None)
     """
     if triton_version is None:  # (from the installed metadata: triton is not imported)
@@ -139,6 +149,10 @@ def interpreter_problem(triton_version: str | None = None,
             return "the triton package is not installed (pip install triton)"
     if numpy_version is None:
         numpy_version = importlib.metadata.version("numpy")
+    if _version(triton_version) < (3, 2) and _version(numpy_version) >= (2, 0):
+        return (f"Triton's interpreter of triton {triton_version} loses the stores of every "
+                f"kernel under NumPy {numpy_version}, silently; install triton>=3.7, or "
+                f"numpy<2")
     if _version(triton_version) < (3, 7) and _version(numpy_version) >= (2, 4):
         return (f"Triton's interpreter of triton {triton_version} fails on every kernel with "
                 f"a runtime loop under NumPy {numpy_version} (int() of a 1-element array, "
@@ -228,7 +242,10 @@ def _problem_tensor(x: Tensor, name: str, t: Tensor | None, numel: int,
 
 
 def _first(*problems: str | None) -> str | None:
-    return next((p for p in problems if p is not None), None)
+    for problem in problems:  # (a loop, not next() over a generator: torch 2.8's
+        if problem is not None:  # torch.compile cannot trace next() with a default)
+            return problem
+    return None
 
 
 def _as_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
