@@ -25,3 +25,30 @@ def fused_rows_node(monkeypatch):
     from normkit import functional
 
     monkeypatch.setattr(functional, "SMALL_ROWS_COMPOSITE_BELOW", (0, 0))
+
+
+def _denormals_flushed() -> bool:
+    import torch
+
+    return (torch.tensor([1e-39]) * 1.0).item() == 0.0  # a float32 subnormal survives?
+
+
+@pytest.fixture(autouse=True)
+def _subnormals_stay_on():
+    """Restore IEEE subnormals after a test that lost them.
+
+    torch 2.4's Inductor loads CPU kernels built with -ffast-math, which switch the whole
+    process to flush-to-zero (measured: one torch.compile call on torch 2.4.1 does it,
+    2.8 not); later tests of subnormal weights (In-Place ABN's recoverability rule) and
+    hypothesis' float strategies then fail. normkit itself never changes the mode: the
+    fixture fails a test that turns it on without compiling anything.
+    """
+    import torch
+    import torch._dynamo
+
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    yield
+    if _denormals_flushed():
+        torch.set_flush_denormal(False)
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+        assert compiled, "this test switched the process to flush-to-zero (subnormals lost)"

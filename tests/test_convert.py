@@ -47,9 +47,11 @@ def test_every_channels_first_family_keeps_its_dimension():
         converted = normkit.convert_norms(net, to)
         assert tuple(type(converted[i]) for i in (1, 4, 5)) == classes, to
         assert converted(x).shape == net(x).shape
-    converted = normkit.convert_norms(net, "in", where=(nn.BatchNorm2d, nn.InstanceNorm2d))
+    # (InstanceNorm2d's default affine=False: the converted layers say what they drop)
+    with pytest.warns(UserWarning, match="has no place for the .*weight and bias; dropped"):
+        converted = normkit.convert_norms(net, "in", where=(nn.BatchNorm2d, nn.InstanceNorm2d))
     assert type(converted[1]) is normkit.InstanceNorm2d
-    with pytest.raises(ValueError, match="rank is unknown"):
+    with pytest.raises(ValueError, match="rank is unknown"), pytest.warns(UserWarning):
         normkit.convert_norms(net, "in")  # the GroupNorm's input rank is unknown
     ln = normkit.convert_norms(net, "ln")
     torch.testing.assert_close(ln[4].weight, net[4].weight)
