@@ -124,12 +124,14 @@ def interpreter_problem(triton_version: str | None = None,
     affected), found by running normkit's interpreter tests on each release:
 
     * Triton 3.0 and 3.1 under NumPy 2: every store a kernel makes is lost, silently
-      (the tensors keep what they held). Measured: a plain vector store; the tests then
-      fail with garbage. With NumPy 1.26 both releases pass every test.
+      (the tensors keep what they held). Measured with NumPy 2.3.5 on a plain vector
+      store; the tests then fail with garbage. With NumPy 1.26 both releases pass every
+      test, and Triton 3.2 passes with NumPy 2.3.5.
     * Triton 3.6 and older under NumPy 2.4+: the interpreter turns loop bounds into
       Python ints with ``int(array)``, which NumPy 2.4 refuses for its 1-element arrays
       ("only 0-dimensional arrays can be converted to Python scalars"), so every kernel
-      with a runtime loop fails. Fixed in Triton 3.7.
+      with a runtime loop fails. Triton 3.7's interpreter squeezes the array first (read
+      in its source; run here: 3.9 with NumPy 2.4.6).
 
     Defaults to the installed versions (read from the package metadata; triton is not
     imported).

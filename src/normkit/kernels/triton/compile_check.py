@@ -23,7 +23,8 @@ runs it: ``tests/test_triton_dispatch.py``). The widest rows are what spill firs
 the most a 512-thread program can have without spilling.
 
 It needs ``triton`` imported *without* the interpreter (``TRITON_INTERPRET`` unset), and
-uses ``triton.compiler.ASTSource`` as in Triton 3.9 (a semi-public interface).
+uses ``triton.compiler.ASTSource`` as in Triton 3.6 to 3.9 (a semi-public interface; run
+with both).
 """
 
 from __future__ import annotations
