@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Issue 6's GPU half in one run: the Triton kernels' tests compiled on CUDA, then the
 # standard-shape bench on the GPU (torch eager beside normkit, Liger-Kernel and apex when
-# installed). Writes everything under $OUT (default ./gpu-out):
+# installed). Writes everything under $OUT (default ./gpu-out), eight files, the most the
+# device tool brings back:
 #   env.txt          torch, triton, CUDA, device
 #   tests.log        pytest tests/test_triton.py tests/test_triton_dispatch.py
-#   bench.log        normkit bench --device cuda
+#   steps.log        the wheel installs, then the output of both bench runs
 #   results-gpu.json, RESULTS-gpu.md   the table for benchmarks/RESULTS.md
+#   results-gpu-widths.json, RESULTS-gpu-widths.md   LayerNorm/RMSNorm and their add ops
+#                    at 4096 rows of width 256 to 16384 (issue 6: fwd+bwd >= torch eager
+#                    at every width; fwd >= 80% of HBM peak from 1024)
 #   targets-gpu.md   issue 6 GPU targets over both runs (normkit bench --summarize)
-#   sweep.log, results-gpu-widths.json, RESULTS-gpu-widths.md   LayerNorm/RMSNorm and
-#                    their add ops at 4096 rows of width 256 to 16384 (issue 6: fwd+bwd
-#                    >= torch eager at every width; fwd >= 80% of HBM peak from 1024)
+#
+# The device machine reaches no package registry, and its image has no Liger-Kernel: the
+# wheels in benchmarks/wheels/ (ignored by git; `bash benchmarks/gpu_wheels.sh` downloads
+# them here) are installed first, without dependencies, so name that folder in the device
+# tool's `carry` (GPU_WHEELS=DIR reads another folder). Without them the bench's Liger
+# column says "not installed".
 #
 # Needs a python3 with a CUDA build of torch, triton, pytest, hypothesis and numpy (the
 # device machine's image has them); normkit runs from src/ without installing. Each
@@ -65,20 +72,43 @@ else
 fi
 tail -n 5 "$out/tests.log"
 
+steps="$out/steps.log" part=$(mktemp)  # (each step's output, then appended to steps.log)
+shopt -s nullglob
+wheels=("${GPU_WHEELS:-benchmarks/wheels}"/*.whl)
+shopt -u nullglob
+echo "== wheels: ${wheels[*]:-none in ${GPU_WHEELS:-benchmarks/wheels}}" > "$steps"
+if [ ${#wheels[@]} -gt 0 ]; then
+    if [ "$device" = cuda ]; then  # (the device tool runs commands as root, in its own image)
+        "$python" -m pip install --no-index --no-deps --disable-pip-version-check \
+            "${wheels[@]}" >> "$steps" 2>&1
+    else  # a dry run installs them aside, to check they install, and leaves them out
+        "$python" -m pip install --no-index --no-deps --disable-pip-version-check \
+            --target "$out/.wheels" "${wheels[@]}" >> "$steps" 2>&1
+    fi
+    code=$?; echo "wheels: exit $code (${#wheels[@]} installed)"
+    [ "$code" = 0 ] || failed="$failed wheels"
+    rm -rf "$out/.wheels"
+else
+    echo "wheels: none (benchmarks/gpu_wheels.sh downloads them)"
+fi
+
 timeout -k 15 200 "$python" -m normkit bench --device "$device" --shapes "$shapes" \
     --repeats "$repeats" --quiet --peak-gbs 4800 \
-    --json "$out/results-gpu.json" --markdown "$out/RESULTS-gpu.md" > "$out/bench.log" 2>&1
-code=$?; echo "bench: exit $code (tail of $out/bench.log)"
+    --json "$out/results-gpu.json" --markdown "$out/RESULTS-gpu.md" > "$part" 2>&1
+code=$?; echo "bench: exit $code (tail of $steps)"
 [ "$code" = 0 ] || failed="$failed bench"
-tail -n 5 "$out/bench.log"
+{ echo "== bench: exit $code"; cat "$part"; } >> "$steps"
+tail -n 5 "$part"
 
 timeout -k 15 90 "$python" -m normkit bench layer_norm rms_norm add_layer_norm add_rms_norm \
     --device "$device" --shapes "$widths" --repeats "$repeats" --quiet --peak-gbs 4800 \
     --json "$out/results-gpu-widths.json" \
-    --markdown "$out/RESULTS-gpu-widths.md" > "$out/sweep.log" 2>&1
-code=$?; echo "sweep: exit $code (tail of $out/sweep.log)"
+    --markdown "$out/RESULTS-gpu-widths.md" > "$part" 2>&1
+code=$?; echo "sweep: exit $code (tail of $steps)"
 [ "$code" = 0 ] || failed="$failed sweep"
-tail -n 5 "$out/sweep.log"
+{ echo "== sweep: exit $code"; cat "$part"; } >> "$steps"
+tail -n 5 "$part"
+rm -f "$part"
 
 "$python" -m normkit bench --summarize "$out/results-gpu.json" "$out/results-gpu-widths.json" \
     > "$out/targets-gpu.md" 2>&1

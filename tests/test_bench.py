@@ -6,6 +6,7 @@ tiny shapes, two rounds, no minimum measurement time and a 1 MiB copy buffer.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import re
 import subprocess
 import sys
 import types
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -417,6 +419,12 @@ def test_externals_absent_are_reported_cleanly():
                     needs_cuda=False)
     assert fake.status("cpu") is None
     assert fake.builder("rms_norm") is None and fake.builder("layer_norm") is None
+    # a dotted class name is looked up in that submodule; a failing import leaves the op out
+    nested = External("fake", "json", {
+        "rms_norm": ("decoder.JSONDecoder", lambda cls, d: cls.__name__),
+        "layer_norm": ("no_such_submodule.Anything", lambda cls, d: cls())}, needs_cuda=False)
+    assert nested.builder("rms_norm")((4, 8)) == "JSONDecoder"
+    assert nested.builder("layer_norm") is None
 
 
 def test_report_number_format():
@@ -556,18 +564,42 @@ def test_compile_times_torch_and_normkit_under_torch_compile():
     assert "normkit.compile 1st s" in text and "not requested" not in text
 
 
+def _write_wheel(path: Path, name: str, version: str) -> None:
+    """A minimal pure-Python wheel (one empty module) that pip installs offline."""
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": "",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    record = "".join(f"{f},,\n" for f in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as wheel:
+        for f, text in {**files, f"{info}/RECORD": record}.items():
+            wheel.writestr(f, text)
+
+
 def test_gpu_check_script_rehearses_on_the_cpu(tmp_path):
     """benchmarks/gpu_check.sh is run once per lent GPU, never in CI: its dry run checks
     the script itself, the bench options it passes and the summary step on the CPU."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gpu-out"
-    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(out), "PYTHON": sys.executable}
+    wheels = tmp_path / "wheels"  # the device reaches no registry: wheels travel with it
+    wheels.mkdir()
+    _write_wheel(wheels / "normkit_probe-1.0-py3-none-any.whl", "normkit_probe", "1.0")
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(out), "PYTHON": sys.executable,
+           "GPU_WHEELS": str(wheels)}
     done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh")], cwd=root,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     for step in ("bench", "sweep", "targets"):
         assert f"{step}: exit 0" in done.stdout, done.stdout[-3000:]
     assert "tests: skipped (dry run)" in done.stdout
+    assert "wheels: exit 0 (1 installed)" in done.stdout
+    assert "Successfully installed normkit-probe-1.0" in (out / "steps.log").read_text()
+    # the device tool brings back at most 8 files, named in letters, digits, '.', '_', '-'
+    files = sorted(p.name for p in out.rglob("*"))
+    assert len(files) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files), files
+    with pytest.raises(ImportError):  # a dry run installs aside, never into this python
+        importlib.import_module("normkit_probe")
     full = json.loads((out / "results-gpu.json").read_text())
     widths = json.loads((out / "results-gpu-widths.json").read_text())
     for doc in (full, widths):

@@ -276,8 +276,11 @@ class External:
     Args:
         name: the column name (``liger``, ``apex``).
         module: the module holding its classes.
-        classes: op name -> (class name, ``build(cls, dims)``); a class missing from the
-            installed version just leaves that op uncovered.
+        classes: op name -> (class name, ``build(cls, dims)``); a dotted class name
+            (``group_norm.LigerGroupNorm``) is looked up in that submodule of ``module``.
+            A class missing from the installed version, or one whose import fails (Liger
+            refuses some attributes without ``transformers``), just leaves that op
+            uncovered.
         needs_cuda: only runs with ``--device cuda``.
     """
 
@@ -308,8 +311,14 @@ class External:
         """``build(dims)`` for ``op`` when this library covers it here, else ``None``."""
         if op not in self.classes:
             return None
-        class_name, build = self.classes[op]
-        cls = getattr(importlib.import_module(self.module), class_name, None)
+        path, build = self.classes[op]
+        submodule, _, class_name = path.rpartition(".")
+        try:
+            module = importlib.import_module(
+                f"{self.module}.{submodule}" if submodule else self.module)
+            cls = getattr(module, class_name, None)
+        except ImportError:
+            return None
         if cls is None:
             return None
         return lambda dims: build(cls, dims)
@@ -320,6 +329,9 @@ EXTERNALS: tuple[External, ...] = (
         "layer_norm": ("LigerLayerNorm", lambda cls, d: cls(_features(d), eps=1e-5, bias=True)),
         "rms_norm": ("LigerRMSNorm", lambda cls, d: cls(_features(d))),
         "add_rms_norm": ("LigerFusedAddRMSNorm", lambda cls, d: cls(_features(d))),
+        # (channels, groups): Liger's order; its own module, which needs no transformers
+        "group_norm": ("group_norm.LigerGroupNorm",
+                       lambda cls, d: cls(_channels(d), _groups(d), eps=1e-5, bias=True)),
     }),
     External("apex", "apex.normalization", {
         "layer_norm": ("FusedLayerNorm", lambda cls, d: cls(_features(d))),
