@@ -38,9 +38,9 @@ unset TRITON_INTERPRET  # compiled kernels on CUDA tensors, not the interpreter
 python=${PYTHON:-python3}
 failed=""  # the steps that did not exit 0; the script's exit status says whether any
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
-    device=cpu shapes=small repeats=1 widths=64x256,64x1024
-else
-    device=cuda shapes=standard repeats=9
+    device=cpu shapes=small repeats=1 widths=64x256,64x1024 flush=1
+else  # (flush: an H200's 60 MB L2 would otherwise hold rows up to 4096 x 1024, in and out)
+    device=cuda shapes=standard repeats=9 flush=256
     widths=4096x256,4096x512,4096x1024,4096x2048,4096x4096,4096x8192,4096x16384
 fi
 
@@ -93,7 +93,7 @@ else
 fi
 
 timeout -k 15 200 "$python" -m normkit bench --device "$device" --shapes "$shapes" \
-    --repeats "$repeats" --quiet --peak-gbs 4800 \
+    --repeats "$repeats" --flush-mib "$flush" --quiet --peak-gbs 4800 \
     --json "$out/results-gpu.json" --markdown "$out/RESULTS-gpu.md" > "$part" 2>&1
 code=$?; echo "bench: exit $code (tail of $steps)"
 [ "$code" = 0 ] || failed="$failed bench"
@@ -101,7 +101,8 @@ code=$?; echo "bench: exit $code (tail of $steps)"
 tail -n 5 "$part"
 
 timeout -k 15 90 "$python" -m normkit bench layer_norm rms_norm add_layer_norm add_rms_norm \
-    --device "$device" --shapes "$widths" --repeats "$repeats" --quiet --peak-gbs 4800 \
+    --device "$device" --shapes "$widths" --repeats "$repeats" --flush-mib "$flush" \
+    --quiet --peak-gbs 4800 \
     --json "$out/results-gpu-widths.json" \
     --markdown "$out/RESULTS-gpu-widths.md" > "$part" 2>&1
 code=$?; echo "sweep: exit $code (tail of $steps)"

@@ -136,7 +136,7 @@ def test_plan_skips_ops_without_a_matching_shape():
 
 @pytest.mark.parametrize("kwargs", [
     {"device": "tpu"}, {"threads": (0,)}, {"dtype": "int8"}, {"input": "zeros"},
-    {"repeats": 0}, {"shapes": "4x4x4x4x4"},
+    {"repeats": 0}, {"shapes": "4x4x4x4x4"}, {"flush_mib": -1},
 ])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
@@ -388,6 +388,31 @@ def test_interleaved_rotates_the_first_implementation():
     fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
     measure.interleaved(fns, measure.Timer(), repeats=3, number=1)
     assert calls == list("abc" "bca" "cab")
+
+
+def test_cold_timer_flushes_before_every_call_and_times_only_the_call():
+    """With flush_bytes every call starts after a write of the whole buffer (the inputs
+    leave the cache), and the time of that write is not the call's."""
+    order = []
+    timer = measure.Timer("cpu", flush_bytes=8 << 20)
+    assert timer.flush_seconds > 0
+    flush = timer._buffer.zero_
+    timer._buffer = types.SimpleNamespace(zero_=lambda: (order.append("flush"), flush()))
+    seconds = timer(lambda: order.append("call"), number=3)
+    assert order == ["flush", "call"] * 3
+    assert seconds < timer.flush_seconds / 10  # an 8 MiB write: ~1 ms; an append: ~1 us
+    assert measure.Timer("cpu").flush_seconds == 0.0
+    with pytest.raises(ValueError, match="flush_bytes"):
+        measure.Timer("cpu", flush_bytes=-1)
+
+
+def test_flush_default_per_device_recorded_in_the_document():
+    assert BenchConfig().flush_mib == 0 and BenchConfig(flush_mib=8).flush_mib == 8
+    doc = run(BenchConfig(ops=("rms_norm",), shapes="4x8", flush_mib=1, **TINY))
+    assert doc["settings"]["flush_mib"] == 1
+    assert "cache: cold (1 MiB written before every call" in report.to_markdown(doc)
+    warm = run(BenchConfig(ops=("rms_norm",), shapes="4x8", **TINY))
+    assert "cache: warm" in report.to_markdown(warm)
 
 
 def test_saved_bytes_sees_saved_input_and_dedupes_the_output():

@@ -118,6 +118,9 @@ def build_parser(prog: str = "normkit bench") -> argparse.ArgumentParser:
                         "reporting their first-call (compile) time separately")
     parser.add_argument("--copy-mib", type=int, default=256, metavar="MIB",
                         help="buffer size for the copy-bandwidth yardstick (default: 256)")
+    parser.add_argument("--flush-mib", type=int, default=None, metavar="MIB",
+                        help="MiB written before every timed call, untimed, so that inputs "
+                        "come from memory, not the cache (default: 256 on cuda, 0 on cpu)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
     parser.add_argument("--peak-gbs", type=_positive, default=None, metavar="GB/S",
                         help="the device's nominal memory bandwidth, for the targets stated "
@@ -234,7 +237,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
                              threads=args.threads, dtype=args.dtype, shapes=args.shapes,
                              input=args.input, repeats=args.repeats, warmup=args.warmup,
                              min_time=args.min_time, compile=args.compile,
-                             copy_mib=args.copy_mib, seed=args.seed)
+                             copy_mib=args.copy_mib, seed=args.seed,
+                             flush_mib=args.flush_mib)
     except ValueError as error:
         parser.error(str(error))
     cases, skipped = plan(config)

@@ -147,6 +147,13 @@ def _allocator_lines(env: dict) -> list[str]:
             f"allocator variables: {variables}"]
 
 
+def _cache_line(flush_mib: int) -> str:
+    if not flush_mib:
+        return "- cache: warm (inputs that fit in the cache stay there between calls)"
+    return (f"- cache: cold ({flush_mib} MiB written before every call, outside its time: "
+            "inputs come from memory)")
+
+
 def to_markdown(doc: dict) -> str:
     """The document as Markdown: title, command, environment, table, legend, omissions."""
     env, settings = doc["environment"], doc["settings"]
@@ -175,6 +182,7 @@ def to_markdown(doc: dict) -> str:
         f"once per round, round-robin, same process) after a first call and "
         f"{settings['warmup']} warm-up calls; each "
         f"measurement repeats the call to last >= {settings['min_time_s'] * 1e3:g} ms",
+        _cache_line(settings.get("flush_mib", 0)),
         "",
     ]
     if doc.get("interrupted"):
@@ -194,8 +202,8 @@ def to_markdown(doc: dict) -> str:
         "- **GB/s**: ideal bytes / normkit's median time. Ideal bytes: every activation-sized "
         "tensor read or written once, X = input bytes, P = parameter bytes: forward 2X + P, "
         "forward+backward 5X + 3P (add_* ops: 4X + P and 8X + 3P). **% copy**: of the copy "
-        "bandwidth above (median `dst.copy_(src)`, 2 x buffer bytes moved); shapes that fit "
-        "in cache can pass 100%.",
+        "bandwidth above (median `dst.copy_(src)`, 2 x buffer bytes moved)"
+        + ("." if settings.get("flush_mib") else "; shapes that fit in cache can pass 100%."),
         "- **MiB**: peak memory of one forward+backward. "
         + ("CUDA: torch.cuda.max_memory_allocated above the memory allocated before the step."
            if env["device"] == "cuda" else

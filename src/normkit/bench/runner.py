@@ -25,7 +25,7 @@ JSON document (``schema`` = :data:`SCHEMA`)::
                      "allocator": {"transparent_hugepage", "normkit_huge_pages",
                                    "variables"}},
      "settings": {"ops", "shapes", "shape_list", "repeats", "warmup", "min_time_s",
-                  "compile", "seed"},
+                  "compile", "seed", "flush_mib"},
      "implementations": {"torch": {"used": true, "reason": null}, "liger": {...}, ...},
      "ops": [{"op", "kind", "normkit", "baseline", "available", "reason"}],
      "results": [{"op", "shape": [M, D], "layout", "pass", "threads", "ideal_bytes",
@@ -58,8 +58,8 @@ from torch import nn
 from . import measure
 from .ops import EXTERNALS, OPS, PASSES, Op, Shape, get_op, parse_shapes
 
-__all__ = ["SCHEMA", "DTYPES", "INPUTS", "BenchConfig", "run", "plan", "errors", "make_input",
-           "environment"]
+__all__ = ["SCHEMA", "DTYPES", "INPUTS", "DEFAULT_FLUSH_MIB", "BenchConfig", "run", "plan",
+           "errors", "make_input", "environment"]
 
 #: The version tag of the JSON document.
 SCHEMA = "normkit-bench/1"
@@ -85,6 +85,13 @@ COMPILED = ("torch.compile", "normkit.compile")
 Progress = Callable[[int, int, str], None]
 
 
+#: MiB written before every timed call by default (``BenchConfig.flush_mib``): on CUDA more
+#: than four times an H200's or H100's L2 (60 / 50 MB); on the CPU none, as the CPU tables
+#: in benchmarks/RESULTS.md were measured (a flush there costs ~25 ms per call, and a
+#: server's shared L3 is not this process's alone to keep warm or cold).
+DEFAULT_FLUSH_MIB = {"cuda": 256, "cpu": 0}
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """What to run. Every field has the command line's default.
@@ -102,6 +109,9 @@ class BenchConfig:
         compile: also time ``torch.compile`` of the torch module and of normkit's.
         copy_mib: MiB of the buffer the copy bandwidth is measured on.
         seed: seed of the inputs.
+        flush_mib: MiB written before every timed call, untimed, so that inputs come
+            from memory and not from the cache (:class:`normkit.bench.measure.Timer`);
+            ``None``: 256 on CUDA (an H200's L2 holds 60 MB), 0 on the CPU.
     """
 
     ops: tuple[str, ...] = ()
@@ -116,6 +126,7 @@ class BenchConfig:
     compile: bool = False
     copy_mib: int = 256
     seed: int = 0
+    flush_mib: int | None = None
     shape_list: tuple[Shape, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +147,10 @@ class BenchConfig:
             raise ValueError(f"expected repeats >= 1, warmup >= 0, min_time >= 0 and "
                              f"copy_mib >= 1, got {self.repeats}, {self.warmup}, "
                              f"{self.min_time}, {self.copy_mib}")
+        if self.flush_mib is None:
+            object.__setattr__(self, "flush_mib", DEFAULT_FLUSH_MIB[self.device])
+        elif self.flush_mib < 0:
+            raise ValueError(f"flush_mib must be >= 0, got {self.flush_mib}")
         object.__setattr__(self, "shape_list", parse_shapes(self.shapes))
 
 
@@ -295,11 +310,11 @@ class _Case:
     """Builds one case's modules and tensors and measures its passes."""
 
     def __init__(self, op: Op, shape: Shape, config: BenchConfig, used: dict[str, dict],
-                 copy_gbs: float, threads: int) -> None:
+                 copy_gbs: float, threads: int, timer: measure.Timer) -> None:
         self.op, self.shape, self.config, self.threads = op, shape, config, threads
         self.copy_gbs = copy_gbs
         self.dtype = DTYPES[config.dtype]
-        self.timer = measure.Timer(config.device)
+        self.timer = timer
         torch.manual_seed(config.seed)
         if config.compile:
             torch.compiler.reset()  # fresh caches: no recompile limit, no dynamic shapes
@@ -399,7 +414,9 @@ class _Case:
                     continue
                 steps[name] = step
                 per_call.append(last)
-            number = measure.calibrate(min(per_call), config.min_time) if per_call else 1
+            # (a measurement lasts min_time of wall time, cache flushes included)
+            number = (measure.calibrate(min(per_call) + self.timer.flush_seconds,
+                                        config.min_time) if per_call else 1)
             try:
                 samples = measure.interleaved(steps, self.timer, config.repeats, number)
             except Exception as error:  # e.g. out of memory mid-run: report, go on
@@ -462,7 +479,7 @@ def run(config: BenchConfig | None = None, *, command: str | None = None,
                      "shape_list": [shape.spec for shape in config.shape_list],
                      "repeats": config.repeats, "warmup": config.warmup,
                      "min_time_s": config.min_time, "compile": config.compile,
-                     "seed": config.seed},
+                     "seed": config.seed, "flush_mib": config.flush_mib},
         "implementations": used,
         "ops": [{"op": op.name, "kind": op.kind, "normkit": op.normkit_doc,
                  "baseline": op.baseline_doc, "available": reason is None, "reason": reason}
@@ -480,8 +497,9 @@ def run(config: BenchConfig | None = None, *, command: str | None = None,
             torch.set_num_threads(threads)
             copy_gbs = measure.copy_bandwidth(config.device, config.copy_mib << 20)
             env["copy_bandwidth_gbs"][str(threads)] = copy_gbs
+            timer = measure.Timer(config.device, config.flush_mib << 20)
             for op, shape in cases:
-                case = _Case(op, shape, config, used, copy_gbs, threads)
+                case = _Case(op, shape, config, used, copy_gbs, threads, timer)
                 for pass_ in PASSES:
                     record = case.measure(pass_)
                     doc["results"].append(record)
