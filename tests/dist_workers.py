@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
 
 import normkit
+from normkit.data import Standardizer
 
 
 def full_batch(sizes, channels, spatial, seed):
@@ -64,3 +67,39 @@ def precise_stats(rank, world, batches_per_rank):
     mine = all_batches[start:start + len(batches_per_rank[rank])]
     counts = normkit.update_bn_stats(model, mine)
     return {"counts": counts, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def standardizer_data():
+    """61 x 4 float32 rows at an offset of 1e6, a fifth of them NaN (the same on every rank)."""
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randn(61, 4, generator=gen, dtype=torch.float64) * 3 + 1e6
+    data[torch.rand(61, 4, generator=gen) < 0.2] = float("nan")
+    return data.float()
+
+
+def standardizer_fits(rank, world):
+    """Standardizer.fit across ranks: uneven shards, an empty rank, errors on one rank."""
+    group, data, out = dist.group.WORLD, standardizer_data(), {}
+    # uneven shards: 13 rows in chunks of 5, and 48 rows from a DataLoader of (x, y)
+    shard = (list(data[:13].split(5)) if rank == 0 else
+             DataLoader(TensorDataset(data[13:], data[13:, :1]), batch_size=7))
+    out["uneven"] = Standardizer(nan="ignore").fit(shard, process_group=group).state_dict()
+    # rank 1 has no data at all
+    shard = data if rank == 0 else []
+    out["empty"] = Standardizer(nan="ignore").fit(shard, process_group=group).state_dict()
+    # an error on one rank is raised on every rank (and keeps the previous statistics)
+    s = Standardizer().fit(torch.ones(3, 4))
+    try:
+        s.fit(data if rank == 1 else torch.randn(5, 4), process_group=group)
+    except (ValueError, RuntimeError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["kept"] = s.state_dict()
+    try:
+        Standardizer().fit(torch.randn(4, 3 + rank), process_group=group)
+    except ValueError as exc:
+        out["shapes"] = str(exc)
+    try:
+        Standardizer().fit([], process_group=group)
+    except ValueError as exc:
+        out["all_empty"] = str(exc)
+    return out

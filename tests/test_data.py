@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import datetime
 import io
-import socket
-import time
 from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_utils import run_ranks
+from dist_workers import standardizer_data, standardizer_fits
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from sklearn.preprocessing import StandardScaler
@@ -455,69 +453,11 @@ def test_standardized_model_without_scalers_is_the_model():
 # ---------------------------------------------------------------- distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _dist_data() -> Tensor:
-    gen = torch.Generator().manual_seed(0)
-    data = torch.randn(61, 4, generator=gen, dtype=torch.float64) * 3 + 1e6
-    data[torch.rand(61, 4, generator=gen) < 0.2] = NAN
-    return data.float()
-
-
-def _dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=30))
-    try:
-        group, data, out = dist.group.WORLD, _dist_data(), {}
-        # uneven shards: 13 rows in chunks of 5, and 48 rows from a DataLoader of (x, y)
-        shard = (list(data[:13].split(5)) if rank == 0 else
-                 DataLoader(TensorDataset(data[13:], data[13:, :1]), batch_size=7))
-        out["uneven"] = Standardizer(nan="ignore").fit(shard, process_group=group).state_dict()
-        # rank 1 has no data at all
-        shard = data if rank == 0 else []
-        out["empty"] = Standardizer(nan="ignore").fit(shard, process_group=group).state_dict()
-        # an error on one rank is raised on every rank (and keeps the previous statistics)
-        s = Standardizer().fit(torch.ones(3, 4))
-        try:
-            s.fit(data if rank == 1 else torch.randn(5, 4), process_group=group)
-        except (ValueError, RuntimeError) as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"
-        out["kept"] = s.state_dict()
-        try:
-            Standardizer().fit(torch.randn(4, 3 + rank), process_group=group)
-        except ValueError as exc:
-            out["shapes"] = str(exc)
-        try:
-            Standardizer().fit([], process_group=group)
-        except ValueError as exc:
-            out["all_empty"] = str(exc)
-        torch.save(out, f"{out_dir}/rank{rank}.pt")
-        dist.barrier()  # no rank tears its sockets down while a peer still talks to it
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                     reason="needs torch.distributed with gloo")
-def test_distributed_fit_equals_single_process_fit(tmp_path):
-    ctx = mp.start_processes(_dist_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail("the 2-process distributed fit did not finish within 120 s")
-    finally:
-        for process in ctx.processes:
-            if process.is_alive():
-                process.kill()
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
-    whole = Standardizer(nan="ignore").fit(_dist_data())
+def test_distributed_fit_equals_single_process_fit():
+    ranks = run_ranks(standardizer_fits, 2, timeout=120)
+    whole = Standardizer(nan="ignore").fit(standardizer_data())
     for scenario in ("uneven", "empty"):
         for name in STATS:  # bitwise the same on every rank, the union's statistics
             assert torch.equal(ranks[0][scenario][name], ranks[1][scenario][name])

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import free_port
 
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
@@ -31,12 +31,6 @@ NAMES = ("inputs", "invariances")
 TIMEOUT = 120
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _records(out: Path) -> list[dict]:
     return [deterministic_view(json.loads(line))
             for line in (out / RESULTS).read_text().splitlines() if line.strip()]
@@ -49,7 +43,7 @@ def _report_without_wall_clock(out: Path) -> str:
 
 def test_two_gloo_ranks_equal_one_process(tmp_path):
     multi, single = tmp_path / "multi", tmp_path / "single"
-    port = _free_port()
+    port = free_port()
     env_base = dict(os.environ)
     env_base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC),
                                                            env_base.get("PYTHONPATH")]))
