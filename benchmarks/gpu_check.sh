@@ -61,7 +61,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.memory,clocks.max.sm,memor
 cat "$out/env.txt"
 
 if [ "$device" = cuda ]; then
-    timeout -k 15 240 "$python" -m pytest -q -rf -p no:cacheprovider \
+    # (pytest-xdist, in the device image, spreads the kernels' compiles over 8 processes)
+    par=$("$python" -c 'import xdist' 2>/dev/null && echo "-n 8")
+    timeout -k 15 240 "$python" -m pytest -q -rf -p no:cacheprovider $par --durations=15 \
         tests/test_triton.py tests/test_triton_dispatch.py > "$out/tests.log" 2>&1
     code=$?; echo "tests: exit $code (tail of $out/tests.log)"
     [ "$code" = 0 ] || failed="$failed tests"
