@@ -628,7 +628,7 @@ def test_batch_norm_act_takes_the_kernel(training, layout):
     assert "BatchNorm" in type(y.grad_fn.next_functions[0][0]).__name__
     assert y.is_contiguous(memory_format=LAYOUTS[layout])
     xd, wd, bd = leaves(x, w, b)
-    ref = [t.double().cpu() for t in stats]
+    ref = [t.double() for t in stats]  # (on x's device, as the leaves are)
     yd = F.leaky_relu(F.batch_norm(xd, *ref, wd, bd, training, 0.1, 1e-5), 0.01)
     close(y, yd, F32, "y")
     for name, got, want in zip(("running_mean", "running_var"), mine, ref, strict=True):

@@ -124,3 +124,17 @@ def test_every_kernel_variant_compiles_for_sm90_without_spilling():
     assert summary.endswith(" compiled, 0 failed, 0 spilling registers"), summary
     assert int(summary.split()[0]) >= 40  # every family's variants, not an empty plan
     assert "REG" in done.stdout
+
+
+def test_available_is_a_constant_inside_fullgraph_compile():
+    """``tk.available()`` (asked by every ``backend="auto"`` call on a CUDA tensor) must
+    not break a ``fullgraph=True`` graph: Dynamo runs it once and bakes in the answer.
+    Wrapped around a functools.cache object it traced into importlib instead (seen with
+    torch 2.11 on an H200; torch 2.13 here does the same)."""
+    def pick(x):
+        return x + 1 if tk.available() else x - 1
+
+    torch._dynamo.reset()
+    got = torch.compile(pick, fullgraph=True, backend="eager")(torch.zeros(2))
+    want = 1.0 if importlib.util.find_spec("triton") else -1.0
+    assert got.tolist() == [want, want]

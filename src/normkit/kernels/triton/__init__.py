@@ -90,19 +90,26 @@ _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ACTS = (None, "identity", "silu")
 
 
-@torch.compiler.assume_constant_result  # (torch.compile: a constant of the process)
 @functools.cache
+def _triton_imports() -> bool:
+    try:
+        importlib.import_module("triton.language")
+    except ImportError:
+        return False
+    return True
+
+
+# (torch.compile calls this once while tracing and bakes in the result. The decorator
+# must sit on a plain function: on a functools.cache wrapper, torch 2.11's Dynamo traces
+# into the wrapper instead, reaches importlib and breaks the graph -- seen on an H200.)
+@torch.compiler.assume_constant_result
 def available() -> bool:
     """True when ``triton`` imports (the result is cached; the first call imports it).
 
     Prefer the ``supports_*`` predicates: they import ``triton`` only for inputs the
     backend could serve, so CPU-only runs never pay for it.
     """
-    try:
-        importlib.import_module("triton.language")
-    except ImportError:
-        return False
-    return True
+    return _triton_imports()
 
 
 def _env_flag(name: str) -> bool:
