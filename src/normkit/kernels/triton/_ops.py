@@ -55,11 +55,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+#: Triton compile options of every launch. ``enable_fp_fusion=False``: no multiply-add
+#: contraction, so each kernel rounds exactly as written -- and as the CPU interpreter,
+#: which CI tests, rounds. The compensated statistics need it: with fusion on, the
+#: single-block LayerNorm computed ``x - mean_hi`` as ``fma(-sum, 1/n, x)``, against the
+#: unrounded product, while it stored the rounded ``mean_hi``; the backward then
+#: recentred on a mean off by up to half an ulp (3.5e-4 at a mean of 1e4), and its input
+#: gradient was off by 1.4e-3 (seen on an H200, Triton 3.6). The kernels are memory-bound:
+#: the few extra float operations cost nothing measurable there.
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
 def _launch(kernel, grid: int, args: tuple, num_warps: int = 4, **constexprs) -> None:
     if launch_hook is not None:
         launch_hook(kernel, grid, args, constexprs, num_warps)
         return
-    kernel[(grid,)](*args, num_warps=num_warps, **constexprs)
+    kernel[(grid,)](*args, num_warps=num_warps, **COMPILE_OPTIONS, **constexprs)
 
 
 def _warps(elements: int, cap: int = 16) -> int:

@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from ._ops import COMPILE_OPTIONS
+
     cuobjdump = _cuobjdump()
     if options.fail_on_spills and cuobjdump is None:
         print("--fail-on-spills needs the cuobjdump of Triton's NVIDIA backend, not found",
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, values), target=target,
-                                          options={"num_warps": num_warps})
+                                          options={"num_warps": num_warps, **COMPILE_OPTIONS})
                 status = f"ok   {len(compiled.asm['cubin']):>7} B cubin"
                 usage = None if cuobjdump is None else resource_usage(compiled.asm["cubin"],
                                                                       cuobjdump)
