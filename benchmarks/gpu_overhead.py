@@ -1,0 +1,296 @@
+"""Where the time of normkit's CUDA paths goes: host-side cost per call, kernel time
+without the host, and a profile. Run on a CUDA machine (the device tool's H200):
+
+    PYTHONPATH=src python3 benchmarks/gpu_overhead.py > overhead.txt
+
+Three tables, each beside torch eager (and Liger-Kernel where it imports):
+
+1. **host us/call**: wall time per call of a loop that never synchronizes, on inputs so
+   small that the GPU finishes each call before the next is issued: what Python, the
+   dispatcher and the launches cost on the CPU. A call costs at least this much in any
+   eager loop; when it exceeds the kernels' GPU time, the GPU waits for the host.
+2. **GPU us/call**: the same calls captured in a CUDA graph and replayed, so no host work
+   is timed: the kernels alone, on inputs larger than the 60 MB L2.
+3. **cProfile** of normkit's LayerNorm and BatchNorm forward+backward on CUDA.
+
+The figures are for reading, not asserting: one machine, one run.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import importlib
+import os
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from normkit.kernels import triton as tk
+from normkit.kernels.triton import _ops
+
+#: ``NORMKIT_OVERHEAD_DEVICE=cpu`` with ``TRITON_INTERPRET=1`` rehearses the script here
+#: (the graph table is then skipped).
+DEV = os.environ.get("NORMKIT_OVERHEAD_DEVICE", "cuda")
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def on_device(t):
+    with torch.cuda.device(t.device):
+        pass
+
+
+def host_us(fn, n: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    sync()
+    begin = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = time.perf_counter() - begin
+    sync()
+    return host / n * 1e6
+
+
+def graph_us(fn, reps: int = 20, replays: int = 5) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * replays)
+
+
+def fwd_bwd(fn, *leaves):
+    def run():
+        y = fn()
+        y = y[0] if isinstance(y, tuple) else y
+        torch.autograd.grad(y, leaves, torch.ones_like(y))
+    return run
+
+
+def liger(name: str, *args):
+    try:
+        module = importlib.import_module(f"liger_kernel.transformers.{name[0]}")
+        return getattr(module, name[1])(*args).to(DEV)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        print(f"(liger {name[1]}: {type(e).__name__}: {e})")
+        return None
+
+
+def table(title: str, rows: dict[str, object], timer) -> None:
+    print(f"\n## {title}\n")
+    for name, fn in rows.items():
+        if fn is None:
+            continue
+        try:
+            print(f"{name:<46} {timer(fn):9.1f}")
+        except Exception as e:  # noqa: BLE001
+            print(f"{name:<46} failed: {type(e).__name__}: {str(e)[:160]}")
+        sys.stdout.flush()
+
+
+def host_table() -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def noop(X):
+        pass
+
+    x = torch.randn(64, 256, device=DEV, requires_grad=True)
+    w = torch.ones(256, device=DEV, requires_grad=True)
+    b = torch.zeros(256, device=DEV, requires_grad=True)
+    xn = x.detach()
+    img = torch.randn(4, 16, 8, 8, device=DEV, requires_grad=True)
+    c = torch.ones(16, device=DEV, requires_grad=True)
+    cb = torch.zeros(16, device=DEV, requires_grad=True)
+    ln_l = liger(("layer_norm", "LigerLayerNorm"), 256)
+    rms_l = liger(("rms_norm", "LigerRMSNorm"), 256)
+    import normkit
+    ln_m = normkit.LayerNorm(256).to(DEV)
+    from normkit.kernels.triton import _kernels as K
+
+    y0 = torch.empty_like(xn)
+    stats = [torch.empty(64, device=DEV) for _ in range(3)]
+    row_args = (xn, xn, xn, y0, w.detach(), b.detach(), *stats, 256, 256, 256, 256, 256,
+                1.0 / 256, 1e-5)
+    row_flags = dict(CENTER=True, HAS_RES=False, HAS_W=True, HAS_B=True, SINGLE=True,
+                     BLOCK=256, num_warps=1)
+    rows = {
+        "torch.empty(1024)": lambda: torch.empty(1024, device=DEV),
+        "triton _row_fwd launch, 17 args + 6 constexprs":
+            lambda: K._row_fwd[(64,)](*row_args, **row_flags),
+        "torch.cuda.device(x.device) enter+exit": lambda: on_device(x),
+        "torch.compiler.is_compiling()": torch.compiler.is_compiling,
+        "triton no-op kernel, 1 arg": lambda: noop[(1,)](xn),
+        "normkit rows_forward (launcher, no autograd)":
+            lambda: _ops.rows_forward(xn, None, w.detach(), b.detach(), 256, 1e-5, True, None),
+        "normkit tk.layer_norm fwd (no grad)":
+            lambda: tk.layer_norm(xn, (256,), w.detach(), b.detach()),
+        "normkit tk.layer_norm fwd (grad)": lambda: tk.layer_norm(x, (256,), w, b),
+        "normkit.LayerNorm module fwd (auto)": lambda: ln_m(x),
+        "torch F.layer_norm fwd (grad)": lambda: F.layer_norm(x, (256,), w, b),
+        "liger LayerNorm fwd": None if ln_l is None else (lambda: ln_l(x)),
+        "normkit tk.layer_norm fwd+bwd": fwd_bwd(lambda: tk.layer_norm(x, (256,), w, b), x, w, b),
+        "torch F.layer_norm fwd+bwd": fwd_bwd(lambda: F.layer_norm(x, (256,), w, b), x, w, b),
+        "liger LayerNorm fwd+bwd": None if ln_l is None else fwd_bwd(lambda: ln_l(x), x),
+        "normkit tk.rms_norm fwd (grad)": lambda: tk.rms_norm(x, (256,), w),
+        "torch F.rms_norm fwd (grad)": lambda: F.rms_norm(x, (256,), w),
+        "liger RMSNorm fwd": None if rms_l is None else (lambda: rms_l(x)),
+        "normkit bn_stats (launcher)": lambda: _ops.bn_stats(img.detach(), 1e-5, None),
+        "normkit tk.batch_norm_train fwd": lambda: tk.batch_norm_train(img, c, cb),
+        "torch F.batch_norm train fwd": lambda: F.batch_norm(img, None, None, c, cb, True),
+        "normkit tk.batch_norm_train fwd+bwd":
+            fwd_bwd(lambda: tk.batch_norm_train(img, c, cb)[0], img, c, cb),
+        "torch F.batch_norm train fwd+bwd":
+            fwd_bwd(lambda: F.batch_norm(img, None, None, c, cb, True), img, c, cb),
+        "normkit tk.group_norm fwd": lambda: tk.group_norm(img, 4, c, cb),
+        "torch F.group_norm fwd": lambda: F.group_norm(img, 4, c, cb),
+        "normkit tk.group_norm fwd+bwd": fwd_bwd(lambda: tk.group_norm(img, 4, c, cb), img, c, cb),
+        "torch F.group_norm fwd+bwd": fwd_bwd(lambda: F.group_norm(img, 4, c, cb), img, c, cb),
+    }
+    table("host us/call (no sync in the loop; tiny inputs: 64x256, 4x16x8x8)", rows, host_us)
+
+
+def bn_train(x, w, b):
+    mean_hi, mean_lo, _, rstd = _ops.bn_stats(x, 1e-5, None)
+    return _ops.bn_apply(x, mean_hi, mean_lo, rstd, w, b, None)
+
+
+def gpu_table() -> None:
+    if DEV != "cuda":
+        print("\n(GPU table skipped: not on CUDA)")
+        return
+    rows = {}
+    for m, n in ((4096, 1024), (4096, 4096), (4096, 8192)):
+        x = torch.randn(m, n, device=DEV)
+        w, b = torch.randn(n, device=DEV), torch.randn(n, device=DEV)
+        dy = torch.randn(m, n, device=DEV)
+        y, _, mh, ml, rstd = _ops.rows_forward(x, None, w, b, n, 1e-5, True, None)
+        _, mean, rs = torch.ops.aten.native_layer_norm(x, (n,), w, b, 1e-5)
+        rows[f"normkit LN fwd kernel {m}x{n}"] = (
+            lambda x=x, w=w, b=b, n=n: _ops.rows_forward(x, None, w, b, n, 1e-5, True, None))
+        rows[f"torch   LN fwd {m}x{n}"] = lambda x=x, w=w, b=b, n=n: F.layer_norm(x, (n,), w, b)
+        rows[f"normkit LN bwd kernels {m}x{n}"] = (
+            lambda x=x, dy=dy, w=w, mh=mh, ml=ml, rstd=rstd, n=n: _ops.rows_backward(
+                x, dy, None, w, mh, ml, rstd, n, True, None, x.dtype, None, True, True))
+        rows[f"torch   LN bwd {m}x{n}"] = (
+            lambda x=x, dy=dy, w=w, b=b, mean=mean, rs=rs, n=n:
+            torch.ops.aten.native_layer_norm_backward(dy, x, (n,), mean, rs, w, b,
+                                                      [True, True, True]))
+        rows[f"normkit RMS fwd kernel {m}x{n}"] = (
+            lambda x=x, w=w, n=n: _ops.rows_forward(x, None, w, None, n, 1e-5, False, None))
+        rows[f"torch   RMS fwd {m}x{n}"] = lambda x=x, w=w, n=n: F.rms_norm(x, (n,), w, 1e-5)
+    for shape, cl in (((32, 64, 56, 56), False), ((32, 64, 56, 56), True),
+                      ((32, 256, 14, 14), True)):
+        x = torch.randn(shape, device=DEV)
+        if cl:
+            x = x.to(memory_format=torch.channels_last)
+        cc = shape[1]
+        w, b = torch.randn(cc, device=DEV), torch.randn(cc, device=DEV)
+        tag = f"{'x'.join(map(str, shape))} {'NHWC' if cl else 'NCHW'}"
+        rows[f"normkit BN stats+apply {tag}"] = lambda x=x, w=w, b=b: bn_train(x, w, b)
+        rows[f"normkit BN stats {tag}"] = lambda x=x: _ops.bn_stats(x, 1e-5, None)
+        rows[f"torch   BN train fwd {tag}"] = lambda x=x, w=w, b=b: F.batch_norm(
+            x, None, None, w, b, True)
+        rows[f"normkit GN fwd {tag}"] = lambda x=x, w=w, b=b: _ops.gn_forward(
+            x, 32, w, b, 1e-5, 0, None)
+        rows[f"torch   GN fwd {tag}"] = lambda x=x, w=w, b=b: F.group_norm(x, 32, w, b)
+    with torch.no_grad():
+        table("GPU us/call (CUDA graph of 20 calls, replayed 5 times; no host time)",
+              rows, graph_us)
+
+
+def profiles() -> None:
+    big = DEV == "cuda"  # (the interpreter rehearsal: tiny shapes, few calls)
+    m, n = (4096, 1024) if big else (8, 64)
+    shape, calls = ((32, 64, 56, 56), 200) if big else ((2, 4, 3, 3), 3)
+    x = torch.randn(m, n, device=DEV, requires_grad=True)
+    w = torch.ones(n, device=DEV, requires_grad=True)
+    b = torch.zeros(n, device=DEV, requires_grad=True)
+    img = torch.randn(shape, device=DEV, requires_grad=True)
+    c = torch.ones(shape[1], device=DEV, requires_grad=True)
+    cb = torch.zeros(shape[1], device=DEV, requires_grad=True)
+    for name, fn in ((f"LayerNorm {m}x{n} fwd+bwd",
+                      fwd_bwd(lambda: tk.layer_norm(x, (n,), w, b), x, w, b)),
+                     (f"BatchNorm train {'x'.join(map(str, shape))} fwd+bwd",
+                      fwd_bwd(lambda: tk.batch_norm_train(img, c, cb)[0], img, c, cb))):
+        for _ in range(3):
+            fn()
+        sync()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        sync()
+        prof.disable()
+        print(f"\n## cProfile: normkit {name}, {calls} calls (sorted by own time)\n")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+
+
+def precision() -> None:
+    """The LayerNorm large-offset case that failed on the H200 (single block, width 6)."""
+    print("\n## LayerNorm, mean 1e4, std 1, width 6: float32 kernels vs float64\n")
+    torch.manual_seed(7)
+    x64 = torch.randn(16, 6, dtype=torch.float64) + 1e4
+    x = x64.to(DEV, torch.float32)
+    x64 = x.double()
+    w = (torch.randn(6, dtype=torch.float64) * 0.5 + 1).to(DEV, torch.float32)
+    b = torch.randn(6, dtype=torch.float64).to(DEV, torch.float32)
+    dy = torch.randn(16, 6, device=DEV)
+    mean = x64.mean(-1)
+    rstd64 = (x64.var(-1, unbiased=False) + 1e-5).rsqrt()
+    xhat64 = (x64 - mean[:, None]) * rstd64[:, None]
+    g = dy.double() * w.double()
+    dx64 = rstd64[:, None] * (g - g.mean(-1, keepdim=True)
+                              - xhat64 * (g * xhat64).mean(-1, keepdim=True))
+    for block in (None, 8, 16, 4, 2):
+        y, _, mh, ml, rstd = _ops.rows_forward(x, None, w, b, 6, 1e-5, True, block)
+        dx = _ops.rows_backward(x, dy, None, w, mh, ml, rstd, 6, True, block, x.dtype, None,
+                                False, False)[0]
+        stat_mean = mh.double() + ml.double()
+        # the backward from the kernel's own statistics, in float64
+        xh = (x64 - stat_mean[:, None]) * rstd.double()[:, None]
+        dxs = rstd.double()[:, None] * (g - g.mean(-1, keepdim=True)
+                                        - xh * (g * xh).mean(-1, keepdim=True))
+        print(f"block={block}: |mean err| {float((stat_mean - mean).abs().max()):.2e}, "
+              f"|mean_lo| {float(ml.abs().max()):.2e}, "
+              f"|rstd rel err| {float((rstd.double() / rstd64 - 1).abs().max()):.2e}, "
+              f"|y err| {float((y.double() - (xhat64 * w.double() + b.double())).abs().max()):.2e}, "
+              f"|dx err| {float((dx.double() - dx64).abs().max()):.2e}, "
+              f"|dx - dx(kernel stats)| {float((dx.double() - dxs).abs().max()):.2e}")
+
+
+if __name__ == "__main__":
+    import triton
+
+    print(f"torch {torch.__version__}, triton {triton.__version__}, "
+          f"{torch.cuda.get_device_name() if DEV == 'cuda' else DEV}")
+    for step in (precision, host_table, gpu_table, profiles):
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001 - the next step still runs
+            import traceback
+            print(f"\n{step.__name__} failed:")
+            traceback.print_exc(file=sys.stdout)
+        sys.stdout.flush()
