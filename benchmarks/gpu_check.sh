@@ -3,9 +3,11 @@
 # standard-shape bench on the GPU (torch eager beside normkit, Liger-Kernel and apex when
 # installed). Writes everything under $OUT (default ./gpu-out), eight files, the most the
 # device tool brings back:
-#   env.txt          torch, triton, CUDA, device
 #   tests.log        pytest tests/test_triton.py tests/test_triton_dispatch.py
-#   steps.log        the wheel installs, then the output of both bench runs
+#   steps.log        torch, triton, CUDA and the device; the wheel installs; then the
+#                    output of both bench runs
+#   overhead.txt     benchmarks/gpu_overhead.py: host us per call, kernel time under CUDA
+#                    graphs, a profile, and torch's CUDA accuracy at offsets
 #   results-gpu.json, RESULTS-gpu.md   the table for benchmarks/RESULTS.md
 #   results-gpu-widths.json, RESULTS-gpu-widths.md   LayerNorm/RMSNorm and their add ops
 #                    at 4096 rows of width 256 to 16384 (issue 6: fwd+bwd >= torch eager
@@ -21,8 +23,9 @@
 # Needs a python3 with a CUDA build of torch, triton, pytest, hypothesis and numpy (the
 # device machine's image has them); normkit runs from src/ without installing. Each
 # step has its own time limit (a bench stopped by it still writes the passes it measured,
-# marked interrupted), so the whole run ends within ~9 minutes (H200 HBM3e peak,
-# for the % of peak: 4.8 TB/s; env.txt has nvidia-smi's clocks and memory):
+# marked interrupted), so the whole run ends within ~7.5 minutes; on the H200 of
+# 2026-11-30 it took about 3 (H200 HBM3e peak, for the % of peak: 4.8 TB/s; steps.log
+# has nvidia-smi's clocks and memory):
 #   bash benchmarks/gpu_check.sh            (on the GPU machine, from the repo root)
 #
 # GPU_CHECK_DRY=1 rehearses the same steps on the CPU with small shapes and one repeat,
@@ -44,7 +47,8 @@ else  # (flush: an H200's 60 MB L2 would otherwise hold rows up to 4096 x 1024, 
     widths=4096x256,4096x512,4096x1024,4096x2048,4096x4096,4096x8192,4096x16384
 fi
 
-"$python" - > "$out/env.txt" 2>&1 <<'EOF'
+steps="$out/steps.log" part=$(mktemp)  # (each step's output, then appended to steps.log)
+"$python" - > "$steps" 2>&1 <<'EOF'
 import platform, torch
 print("python", platform.python_version(), "torch", torch.__version__,
       "cuda", torch.version.cuda, "available", torch.cuda.is_available())
@@ -57,13 +61,13 @@ except ImportError as e:
     print("triton missing:", e)
 EOF
 nvidia-smi --query-gpu=name,driver_version,clocks.max.memory,clocks.max.sm,memory.total \
-    --format=csv >> "$out/env.txt" 2>&1
-cat "$out/env.txt"
+    --format=csv >> "$steps" 2>&1
+cat "$steps"
 
 if [ "$device" = cuda ]; then
     # (pytest-xdist, in the device image, spreads the kernels' compiles over 8 processes)
     par=$("$python" -c 'import xdist' 2>/dev/null && echo "-n 8")
-    timeout -k 15 240 "$python" -m pytest -q -rf -p no:cacheprovider $par --durations=15 \
+    timeout -k 15 110 "$python" -m pytest -q -rf -p no:cacheprovider $par --durations=15 \
         tests/test_triton.py tests/test_triton_dispatch.py > "$out/tests.log" 2>&1
     code=$?; echo "tests: exit $code (tail of $out/tests.log)"
     [ "$code" = 0 ] || failed="$failed tests"
@@ -74,11 +78,10 @@ else
 fi
 tail -n 5 "$out/tests.log"
 
-steps="$out/steps.log" part=$(mktemp)  # (each step's output, then appended to steps.log)
 shopt -s nullglob
 wheels=("${GPU_WHEELS:-benchmarks/wheels}"/*.whl)
 shopt -u nullglob
-echo "== wheels: ${wheels[*]:-none in ${GPU_WHEELS:-benchmarks/wheels}}" > "$steps"
+echo "== wheels: ${wheels[*]:-none in ${GPU_WHEELS:-benchmarks/wheels}}" >> "$steps"
 if [ ${#wheels[@]} -gt 0 ]; then
     if [ "$device" = cuda ]; then  # (the device tool runs commands as root, in its own image)
         "$python" -m pip install --no-index --no-deps --disable-pip-version-check \
@@ -94,7 +97,7 @@ else
     echo "wheels: none (benchmarks/gpu_wheels.sh downloads them)"
 fi
 
-timeout -k 15 200 "$python" -m normkit bench --device "$device" --shapes "$shapes" \
+timeout -k 15 150 "$python" -m normkit bench --device "$device" --shapes "$shapes" \
     --repeats "$repeats" --flush-mib "$flush" --quiet --peak-gbs 4800 \
     --json "$out/results-gpu.json" --markdown "$out/RESULTS-gpu.md" > "$part" 2>&1
 code=$?; echo "bench: exit $code (tail of $steps)"
@@ -102,7 +105,7 @@ code=$?; echo "bench: exit $code (tail of $steps)"
 { echo "== bench: exit $code"; cat "$part"; } >> "$steps"
 tail -n 5 "$part"
 
-timeout -k 15 90 "$python" -m normkit bench layer_norm rms_norm add_layer_norm add_rms_norm \
+timeout -k 15 70 "$python" -m normkit bench layer_norm rms_norm add_layer_norm add_rms_norm \
     --device "$device" --shapes "$widths" --repeats "$repeats" --flush-mib "$flush" \
     --quiet --peak-gbs 4800 \
     --json "$out/results-gpu-widths.json" \
@@ -112,6 +115,15 @@ code=$?; echo "sweep: exit $code (tail of $steps)"
 { echo "== sweep: exit $code"; cat "$part"; } >> "$steps"
 tail -n 5 "$part"
 rm -f "$part"
+
+if [ "$device" = cuda ]; then
+    timeout -k 15 80 "$python" benchmarks/gpu_overhead.py > "$out/overhead.txt" 2>&1
+else  # (the interpreter is slow: rehearse the first step only)
+    TRITON_INTERPRET=1 NORMKIT_OVERHEAD_DEVICE=cpu "$python" benchmarks/gpu_overhead.py \
+        precision > "$out/overhead.txt" 2>&1
+fi
+code=$?; echo "overhead: exit $code ($out/overhead.txt)"
+[ "$code" = 0 ] || failed="$failed overhead"
 
 "$python" -m normkit bench --summarize "$out/results-gpu.json" "$out/results-gpu-widths.json" \
     > "$out/targets-gpu.md" 2>&1

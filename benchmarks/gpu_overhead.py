@@ -1,7 +1,9 @@
 """Where the time of normkit's CUDA paths goes: host-side cost per call, kernel time
 without the host, and a profile. Run on a CUDA machine (the device tool's H200):
 
-    PYTHONPATH=src python3 benchmarks/gpu_overhead.py > overhead.txt
+    PYTHONPATH=src python3 benchmarks/gpu_overhead.py [STEP ...] > overhead.txt
+
+(steps: precision, accuracy, host_table, gpu_table, profiles; default all)
 
 Three tables, each beside torch eager (and Liger-Kernel where it imports):
 
@@ -10,8 +12,14 @@ Three tables, each beside torch eager (and Liger-Kernel where it imports):
    dispatcher and the launches cost on the CPU. A call costs at least this much in any
    eager loop; when it exceeds the kernels' GPU time, the GPU waits for the host.
 2. **GPU us/call**: the same calls captured in a CUDA graph and replayed, so no host work
-   is timed: the kernels alone, on inputs larger than the 60 MB L2.
+   is timed: the kernels alone (on 4096 x >= 1024 rows and CNN activations; the graph
+   replays the same buffers, so what fits in the 60 MB L2 is warm).
 3. **cProfile** of normkit's LayerNorm and BatchNorm forward+backward on CUDA.
+
+Before them: the single-block LayerNorm's statistics at a mean of 1e4 (the H200 run
+found them off with FMA contraction on), and the float32 accuracy of torch's CUDA
+kernels beside normkit's Triton kernels at offsets (mean = ratio x std), which decides
+whether ``backend="auto"`` could hand CUDA inputs to torch.
 
 The figures are for reading, not asserting: one machine, one run.
 """
@@ -281,12 +289,64 @@ def precision() -> None:
               f"|dx - dx(kernel stats)| {float((dx.double() - dxs).abs().max()):.2e}")
 
 
+def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.detach().double() - ref.detach()).abs().max())
+
+
+def accuracy() -> None:
+    """torch's CUDA kernels and normkit's Triton kernels against float64, data at an
+    offset (mean = ratio * std): what ``backend="auto"`` on CUDA may hand to torch."""
+    print("\n## Accuracy on CUDA, float32, max abs error vs float64 (y; input gradient)\n")
+    print(f"{'op':<20} {'ratio':>6} {'torch y':>9} {'normkit y':>10} "
+          f"{'torch dx':>9} {'normkit dx':>10}")
+    big = DEV == "cuda"
+    cases = {
+        "layer_norm": ((256, 1024) if big else (4, 64), None,
+                       lambda x: F.layer_norm(x, x.shape[-1:]),
+                       lambda x: tk.layer_norm(x, x.shape[-1:])),
+        "batch_norm NCHW": ((32, 64, 16, 16) if big else (2, 4, 3, 3), False,
+                            lambda x: F.batch_norm(x, None, None, training=True),
+                            lambda x: tk.batch_norm_train(x)[0]),
+        "batch_norm NHWC": ((32, 64, 16, 16) if big else (2, 4, 3, 3), True,
+                            lambda x: F.batch_norm(x, None, None, training=True),
+                            lambda x: tk.batch_norm_train(x)[0]),
+        "group_norm NCHW": ((8, 64, 16, 16) if big else (2, 4, 3, 3), False,
+                            lambda x: F.group_norm(x, 2), lambda x: tk.group_norm(x, 2)),
+        "group_norm NHWC": ((8, 64, 16, 16) if big else (2, 4, 3, 3), True,
+                            lambda x: F.group_norm(x, 2), lambda x: tk.group_norm(x, 2)),
+    }
+    for name, (shape, cl, torch_fn, normkit_fn) in cases.items():
+        for ratio in (0.0, 10.0, 100.0, 1e3, 1e4):
+            gen = torch.Generator().manual_seed(0)
+            x64 = torch.randn(shape, dtype=torch.float64, generator=gen) + ratio
+            dy = torch.randn(shape, dtype=torch.float64, generator=gen).to(DEV)
+            x = x64.to(DEV, torch.float32)
+            if cl:
+                x = x.contiguous(memory_format=torch.channels_last)
+            xd = x.double().requires_grad_()
+            ref = torch_fn(xd)
+            dref, = torch.autograd.grad(ref, xd, dy)
+            row = []
+            for fn in (torch_fn, normkit_fn):
+                xi = x.detach().clone().requires_grad_()
+                y = fn(xi)
+                dx, = torch.autograd.grad(y, xi, dy.float())
+                row.append((_err(y, ref), _err(dx, dref)))
+            print(f"{name:<20} {ratio:>6g} {row[0][0]:>9.1e} {row[1][0]:>10.1e} "
+                  f"{row[0][1]:>9.1e} {row[1][1]:>10.1e}")
+        sys.stdout.flush()
+
+
 if __name__ == "__main__":
     import triton
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name() if DEV == 'cuda' else DEV}")
-    for step in (precision, host_table, gpu_table, profiles):
+    steps = {f.__name__: f for f in (precision, accuracy, host_table, gpu_table, profiles)}
+    unknown = [name for name in sys.argv[1:] if name not in steps]
+    if unknown:
+        sys.exit(f"unknown step(s) {unknown}: expected some of {list(steps)}")
+    for step in [steps[name] for name in sys.argv[1:]] or list(steps.values()):
         try:
             step()
         except Exception as e:  # noqa: BLE001 - the next step still runs

@@ -619,7 +619,10 @@ def test_gpu_check_script_rehearses_on_the_cpu(tmp_path):
         assert f"{step}: exit 0" in done.stdout, done.stdout[-3000:]
     assert "tests: skipped (dry run)" in done.stdout
     assert "wheels: exit 0 (1 installed)" in done.stdout
-    assert "Successfully installed normkit-probe-1.0" in (out / "steps.log").read_text()
+    steps = (out / "steps.log").read_text()
+    assert steps.startswith("python ") and "Successfully installed normkit-probe-1.0" in steps
+    assert "overhead: exit 0" in done.stdout
+    assert "block=None" in (out / "overhead.txt").read_text()
     # the device tool brings back at most 8 files, named in letters, digits, '.', '_', '-'
     files = sorted(p.name for p in out.rglob("*"))
     assert len(files) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files), files

@@ -92,8 +92,12 @@ def _programs(device: torch.device, per_sm: int) -> int:
 
 
 def _on_device(t: Tensor):
-    """Launch on ``t``'s GPU (Triton launches on the current device)."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Launch on ``t``'s GPU (Triton launches on the current device); no device switch
+    when it is current already (entering ``torch.cuda.device`` cost ~5 us per call on the
+    H200 machine, against ~1 us for the check)."""
+    if t.device.type != "cuda" or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def _or(t: Tensor | None, placeholder: Tensor) -> Tensor:
