@@ -1,0 +1,123 @@
+"""Does normkit's host cost show in a whole training step? Eager forward+backward+SGD
+step of two small networks on CUDA, with torch's normalization layers and with normkit's
+(``backend="auto"``, the Triton kernels on CUDA), median of timed steps:
+
+* a pre-norm MLP stack: ``depth`` blocks of LayerNorm -> Linear(d, 4d) -> GELU ->
+  Linear(4d, d) with a residual, on ``tokens x d`` float32 activations;
+* a conv stack: ``depth`` blocks of Conv3x3 -> BatchNorm2d (or GroupNorm) -> ReLU on
+  ``N x C x H x W`` channels_last activations.
+
+Matrix products and convolutions run in TF32.
+
+A step's matrix products give the GPU work that can hide a layer's host cost (the CPU
+issues kernels ahead of the GPU) or not. One machine, one run: figures to read.
+
+    PYTHONPATH=src python3 benchmarks/gpu_step.py          (CUDA)
+    NORMKIT_STEP_DEVICE=cpu PYTHONPATH=src python3 benchmarks/gpu_step.py   (rehearsal)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import normkit
+
+DEV = os.environ.get("NORMKIT_STEP_DEVICE", "cuda")
+BIG = DEV == "cuda"
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = norm, nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def mlp(d: int, depth: int, layer) -> nn.Module:
+    return nn.Sequential(*[Block(d, layer(d)) for _ in range(depth)]).to(DEV)
+
+
+def convnet(c: int, depth: int, layer) -> nn.Module:
+    mods = []
+    for _ in range(depth):
+        mods += [nn.Conv2d(c, c, 3, padding=1, bias=False), layer(c), nn.ReLU()]
+    return nn.Sequential(*mods).to(DEV).to(memory_format=torch.channels_last)
+
+
+def step_ms(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(median step ms, host ms per step spent issuing it) of forward+backward+SGD."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def one():
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    for _ in range(3):
+        one()
+    sync()
+    times, issue = [], []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        one()
+        issued = time.perf_counter()
+        sync()
+        end = time.perf_counter()
+        times.append(end - begin)
+        issue.append(issued - begin)
+    return statistics.median(times) * 1e3, statistics.median(issue) * 1e3
+
+
+def main() -> None:
+    # TF32 matrix products, as fp32 training on Hopper usually runs: less GPU time per
+    # step to hide the normalization layers' host cost behind
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    tokens, d, depth = (8192, 1024, 8) if BIG else (64, 32, 2)
+    n, c, hw = (32, 64, 56) if BIG else (2, 4, 6)
+    steps = 20 if BIG else 2
+    x_rows = torch.randn(tokens, d, device=DEV)
+    x_img = torch.randn(n, c, hw, hw, device=DEV).contiguous(memory_format=torch.channels_last)
+    cases = [
+        (f"MLP stack {depth} x [LayerNorm, Linear {d}->{4 * d}->{d}], {tokens} tokens",
+         x_rows, lambda layer: mlp(d, depth, layer),
+         {"torch.nn.LayerNorm": nn.LayerNorm, "normkit.LayerNorm": normkit.LayerNorm}),
+        (f"MLP stack {depth} x [RMSNorm, ...], {tokens} tokens",
+         x_rows, lambda layer: mlp(d, depth, layer),
+         {"torch.nn.RMSNorm": nn.RMSNorm, "normkit.RMSNorm": normkit.RMSNorm}),
+        (f"Conv stack {depth} x [Conv3x3 {c}, BatchNorm2d, ReLU], {n}x{c}x{hw}x{hw} NHWC",
+         x_img, lambda layer: convnet(c, depth, layer),
+         {"torch.nn.BatchNorm2d": nn.BatchNorm2d, "normkit.BatchNorm2d": normkit.BatchNorm2d}),
+        (f"Conv stack {depth} x [Conv3x3 {c}, GroupNorm(32), ReLU], {n}x{c}x{hw}x{hw} NHWC",
+         x_img, lambda layer: convnet(c, depth, layer),
+         {"torch.nn.GroupNorm": lambda ch: nn.GroupNorm(min(32, ch), ch),
+          "normkit.GroupNorm": lambda ch: normkit.GroupNorm(min(32, ch), ch)}),
+    ]
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if BIG else DEV}; "
+          f"median of {steps} steps after 3 warm-up steps\n")
+    print("| network | norm layers | step ms | host ms to issue a step | vs torch |")
+    print("|---|---|---:|---:|---:|")
+    for title, x, build, layers in cases:
+        base = None
+        for name, layer in layers.items():
+            torch.manual_seed(0)
+            ms, host = step_ms(build(layer), x, steps)
+            base = base or ms
+            print(f"| {title} | {name} | {ms:.2f} | {host:.2f} | {base / ms:.2f}x |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
