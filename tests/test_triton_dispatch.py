@@ -157,3 +157,30 @@ def test_every_launch_disables_fma_contraction():
     _ops._launch(Kernel(), 3, ("x",), num_warps=2, BLOCK=8)
     assert launched == [((3,), ("x",), {"num_warps": 2, "enable_fp_fusion": False,
                                          "BLOCK": 8})]
+
+
+def test_auto_picks_triton_on_cuda_for_row_norms_only(monkeypatch):
+    """Under backend="auto" a CUDA input takes the Triton kernels for LayerNorm/RMSNorm
+    only; BatchNorm/GroupNorm run torch's CUDA kernels (measured on an H200: their
+    Triton path's host cost made a conv step 4.1x / 1.9x slower). "triton" always takes
+    the kernels; CPU inputs never do under "auto"."""
+    import normkit.functional as F
+
+    class OnCuda:  # (_use_triton reads only .is_cuda of the input)
+        is_cuda = True
+
+    class OnCpu:
+        is_cuda = False
+
+    monkeypatch.setattr(tk, "available", lambda: True)
+    assert F.TRITON_AUTO_OPS == {"layer_norm", "rms_norm"}
+    for op in ("layer_norm", "rms_norm"):
+        assert F._use_triton("auto", OnCuda(), lambda: True, op)
+        assert not F._use_triton("auto", OnCuda(), lambda: False, op)  # kernel can't serve
+        assert not F._use_triton("auto", OnCpu(), lambda: True, op)
+        assert not F._use_triton("eager", OnCuda(), lambda: True, op)
+    for op in ("batch_norm", "group_norm"):
+        assert not F._use_triton("auto", OnCuda(), lambda: True, op)
+        assert F._use_triton("triton", OnCuda(), lambda: True, op)
+    assert F._torch_on_cuda("auto", OnCuda())
+    assert not F._torch_on_cuda("auto", OnCpu()) and not F._torch_on_cuda("eager", OnCuda())

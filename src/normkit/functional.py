@@ -70,17 +70,41 @@ def _small_rows(x: Tensor, backend: str, *params: Tensor | None) -> bool:
             and all(p is None or p.dtype == x.dtype for p in params))
 
 
-def _use_triton(backend: str, x: Tensor, supported) -> bool:
-    """Whether this call runs the Triton kernel.
+#: The norms whose Triton kernels ``backend="auto"`` runs on CUDA. Measured on an H200
+#: (torch 2.11, Triton 3.6; benchmarks/RESULTS.md, "GPU"): launching a Triton kernel from
+#: Python costs the host ~20 us, so a call of normkit's kernels costs ~0.1 ms of host
+#: time forward and ~0.5-1 ms forward+backward against torch's ~0.02 and ~0.14-0.18.
+#: In a pre-norm MLP stack (8 blocks, 8192 x 1024 tokens, TF32) the GPU's matrix
+#: products hide that: a step with normkit's LayerNorm/RMSNorm took 0.98-0.99x torch's
+#: time, for kernels up to 1.9x faster than torch's at widths >= 4096 and float32 errors
+#: of ~6e-7 where torch's reach 1.2e-3 (mean 1e4 x std). In a conv stack (8 x conv3x3 +
+#: norm + ReLU, 32x64x56x56) nothing hides it: normkit's BatchNorm made the step 4.1x
+#: slower and its GroupNorm 1.9x. So BatchNorm and GroupNorm (and the fused ops built on
+#: them) run torch's CUDA kernels under ``"auto"``, and their Triton kernels only with
+#: ``backend="triton"``.
+TRITON_AUTO_OPS = frozenset({"layer_norm", "rms_norm"})
+
+
+def _use_triton(backend: str, x: Tensor, supported, op: str) -> bool:
+    """Whether this call of norm ``op`` runs the Triton kernel.
 
     ``backend="triton"`` always does (the kernel raises, saying why, when it cannot serve
-    the input); ``"auto"`` does for CUDA tensors the kernel supports, inside torch.compile
-    too: the kernels are registered operators (``torch.ops.normkit.triton_*``), so a
-    compiled model runs the same kernels, with the same numerics, as in eager mode.
+    the input); ``"auto"`` does for CUDA tensors the kernel supports when ``op`` is in
+    :data:`TRITON_AUTO_OPS`, inside torch.compile too: the kernels are registered
+    operators (``torch.ops.normkit.triton_*``), so a compiled model runs the same
+    kernels, with the same numerics, as in eager mode.
     """
     if backend == "triton":
         return True
-    return backend == "auto" and x.is_cuda and tk.available() and supported()
+    return (backend == "auto" and op in TRITON_AUTO_OPS and x.is_cuda and tk.available()
+            and supported())
+
+
+def _torch_on_cuda(backend: str, x: Tensor) -> bool:
+    """``backend="auto"`` on a CUDA tensor that no Triton kernel serves: torch's own CUDA
+    kernel (see :data:`TRITON_AUTO_OPS`), not normkit's CPU-tuned paths, whose accuracy
+    checks read a statistic back to the host (a device sync per call)."""
+    return backend == "auto" and x.is_cuda
 
 
 def _channels_last_format(x: Tensor) -> torch.memory_format | None:
@@ -200,8 +224,11 @@ def batch_norm(
                 f" and running_var={'None' if running_var is None else 'a tensor'}"
             )
         if _use_triton(backend, input, lambda: tk.supports_batch_norm(
-                input, weight, bias, running_mean, running_var)):
+                input, weight, bias, running_mean, running_var), "batch_norm"):
             return tk.batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
+        if _torch_on_cuda(backend, input):
+            return torch.nn.functional.batch_norm(input, running_mean, running_var, weight,
+                                                  bias, False, momentum, eps)
         if backend == "auto" and not compiling():
             y = native.batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
             if y is not None:
@@ -218,8 +245,12 @@ def batch_norm(
     if input.numel() == 0:
         return _empty_result(input, w, b)
     if _use_triton(backend, input, lambda: tk.supports_batch_norm(
-            input, weight, bias, running_mean, running_var)):
+            input, weight, bias, running_mean, running_var), "batch_norm"):
         y, mean, var = tk.batch_norm_train(input, weight, bias, eps)
+    elif _torch_on_cuda(backend, input) and (unbiased_running_var or running_var is None):
+        # (torch's kernel updates running_var with the unbiased variance only)
+        return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias,
+                                              True, momentum, eps)
     elif backend == "auto" and compiling() and library.serves_channels_last(input, weight,
                                                                             bias):
         # torch.compile: the channels-last paths as one operator (kernels.library)
@@ -387,7 +418,8 @@ def layer_norm(
     dims = tuple(range(input.dim() - len(shape), input.dim()))
     if input.numel() == 0:
         return _empty_result(input, weight, bias)
-    if _use_triton(backend, input, lambda: tk.supports_layer_norm(input, shape, weight, bias)):
+    if _use_triton(backend, input, lambda: tk.supports_layer_norm(input, shape, weight, bias),
+                   "layer_norm"):
         return tk.layer_norm(input, shape, weight, bias, eps)
     if backend == "auto":
         if not compiling():
@@ -427,7 +459,8 @@ def rms_norm(
     dims = tuple(range(input.dim() - len(shape), input.dim()))
     if input.numel() == 0:
         return _empty_result(input, weight, None)
-    if _use_triton(backend, input, lambda: tk.supports_rms_norm(input, shape, weight)):
+    if _use_triton(backend, input, lambda: tk.supports_rms_norm(input, shape, weight),
+                   "rms_norm"):
         return tk.rms_norm(input, shape, weight, eps)
     if check_backend(backend) == "reference" or compiling() or not input.is_contiguous():
         # (the strided path keeps the input's memory format in the output)
@@ -544,8 +577,10 @@ def group_norm(
     if input.numel() == 0:
         return _empty_result(grouped, w, b).reshape(input.shape)
     if _use_triton(backend, input, lambda: tk.supports_group_norm(input, num_groups, weight,
-                                                                     bias)):
+                                                                     bias), "group_norm"):
         return tk.group_norm(input, num_groups, weight, bias, eps)
+    if _torch_on_cuda(backend, input):
+        return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
     if backend == "auto" and compiling() and library.serves_group_norm(input, weight, bias):
         # torch.compile: the eager paths below as one operator (kernels.library)
         return library.group_norm(input, num_groups, weight, bias, eps)

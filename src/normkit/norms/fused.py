@@ -541,7 +541,8 @@ def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual
         y = reference_normalize(s, dims, weight, bias, eps, center)[0]
         return y.to(x.dtype), s
     if F._use_triton(backend, x, lambda: _triton_serves_add(x, residual, shape, weight, bias,
-                                                             res_dtype)):
+                                                             res_dtype),
+                     "layer_norm" if center else "rms_norm"):
         norm = tk.layer_norm if center else tk.rms_norm
         affine = (weight, bias) if center else (weight,)
         if residual is None:
@@ -1047,10 +1048,15 @@ def batch_norm_act(
                          "recovers the input from the output); got backend='triton', use "
                          "backend='auto' or memory='standard'")
     if memory == "standard" and F._use_triton(backend, input, lambda: tk.supports_batch_norm(
-            input, weight, bias, running_mean, running_var)):
+            input, weight, bias, running_mean, running_var), "batch_norm"):
         # the Triton BatchNorm kernels, the activation after them
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                          eps, unbiased_running_var=unbiased_running_var, backend="triton")
+        return _activate(activation, y, False)
+    if memory == "standard" and F._torch_on_cuda(backend, input):
+        # torch's CUDA BatchNorm, the activation after it (see F.TRITON_AUTO_OPS)
+        y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                         eps, unbiased_running_var=unbiased_running_var, backend=backend)
         return _activate(activation, y, False)
     dims = (0, *range(2, input.dim()))
     count = _stats.reduced_count(input.shape, dims)
@@ -1212,9 +1218,13 @@ def group_norm_act(
     F._check_per_channel(input, who, weight=weight, bias=bias)
     fused = act if act in ("silu", "identity") else None  # in the Triton kernel
     if F._use_triton(backend, input, lambda: tk.supports_group_norm(
-            input, int(num_groups), weight, bias, act=fused)):
+            input, int(num_groups), weight, bias, act=fused), "group_norm"):
         y = tk.group_norm(input, int(num_groups), weight, bias, eps, act=fused)
         return y if fused is not None else _activate(activation, y, False)
+    if F._torch_on_cuda(backend, input):
+        # torch's CUDA GroupNorm, the activation after it (see F.TRITON_AUTO_OPS)
+        y = F.group_norm(input, int(num_groups), weight, bias, eps, backend=backend)
+        return _activate(activation, y, False)
     per_group = input.numel() // (input.shape[0] * num_groups)
     if per_group == 1:
         y = F.group_norm(input, num_groups, weight, bias, eps, backend=backend)  # raises
