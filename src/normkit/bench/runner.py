@@ -68,10 +68,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 #: Input kinds: name -> what it is and which normkit path it exercises.
 INPUTS = {
-    "randn": "standard normal: well-conditioned, so normkit's auto backend keeps torch's "
-             "fused kernels wherever they are accurate (the fast path)",
+    "randn": "standard normal: well-conditioned, so on the CPU normkit's auto backend keeps "
+             "torch's fused kernels wherever they are accurate (the fast path)",
     "offset": "standard normal + 100: |mean|/std = 100, past normkit's accuracy thresholds, "
-              "so normkit recomputes with its compensated path (torch just loses precision)",
+              "so on the CPU normkit recomputes with its compensated path (torch just loses "
+              "precision)",
 }
 
 _OFFSET = 100.0
