@@ -119,7 +119,6 @@ def table(title: str, rows: dict[str, object], timer) -> None:
 
 def host_table() -> None:
     import triton
-    import triton.language as tl
 
     @triton.jit
     def noop(X):
@@ -277,6 +276,7 @@ def precision() -> None:
         dx = _ops.rows_backward(x, dy, None, w, mh, ml, rstd, 6, True, block, x.dtype, None,
                                 False, False)[0]
         stat_mean = mh.double() + ml.double()
+        y64 = xhat64 * w.double() + b.double()
         # the backward from the kernel's own statistics, in float64
         xh = (x64 - stat_mean[:, None]) * rstd.double()[:, None]
         dxs = rstd.double()[:, None] * (g - g.mean(-1, keepdim=True)
@@ -284,7 +284,7 @@ def precision() -> None:
         print(f"block={block}: |mean err| {float((stat_mean - mean).abs().max()):.2e}, "
               f"|mean_lo| {float(ml.abs().max()):.2e}, "
               f"|rstd rel err| {float((rstd.double() / rstd64 - 1).abs().max()):.2e}, "
-              f"|y err| {float((y.double() - (xhat64 * w.double() + b.double())).abs().max()):.2e}, "
+              f"|y err| {float((y.double() - y64).abs().max()):.2e}, "
               f"|dx err| {float((dx.double() - dx64).abs().max()):.2e}, "
               f"|dx - dx(kernel stats)| {float((dx.double() - dxs).abs().max()):.2e}")
 
@@ -349,7 +349,7 @@ if __name__ == "__main__":
     for step in [steps[name] for name in sys.argv[1:]] or list(steps.values()):
         try:
             step()
-        except Exception as e:  # noqa: BLE001 - the next step still runs
+        except Exception:  # noqa: BLE001 - the next step still runs
             import traceback
             print(f"\n{step.__name__} failed:")
             traceback.print_exc(file=sys.stdout)
