@@ -35,8 +35,9 @@ def compiling() -> bool:
     data-dependent branches (``fullgraph=True`` works) and Inductor fuses its
     elementwise passes and reductions into its own kernels. (Except on the CPU LayerNorm,
     GroupNorm and channels-last training BatchNorm, whose eager paths are registered
-    operators, :mod:`normkit.kernels.library`; CUDA inputs keep the Triton kernels,
-    registered operators too: see :func:`normkit.functional._use_triton`.)
+    operators, :mod:`normkit.kernels.library`; CUDA inputs keep the LayerNorm/RMSNorm
+    Triton kernels, registered operators too, and torch's BatchNorm/GroupNorm: see
+    :data:`normkit.functional.TRITON_AUTO_OPS`.)
     """
     return torch.compiler.is_compiling()
 

@@ -1027,8 +1027,9 @@ def batch_norm_act(
         unbiased_running_var: as in :func:`normkit.functional.batch_norm`.
         backend: ``"auto"``, ``"eager"`` (compensated statistics always),
             ``"reference"`` or ``"triton"`` (the Triton BatchNorm kernels, then the
-            activation; ``memory="standard"`` only). ``"auto"`` takes the Triton kernels
-            for CUDA input with ``memory="standard"``.
+            activation; ``memory="standard"`` only). ``"auto"`` takes torch's CUDA
+            BatchNorm kernel, then the activation, for CUDA input with
+            ``memory="standard"`` (see :data:`normkit.functional.TRITON_AUTO_OPS`).
 
     Example:
         >>> x = torch.randn(8, 3, 4, 4)
@@ -1194,8 +1195,10 @@ def group_norm_act(
     they are accurate; channels-last input is normalized in its own layout (no copy) from
     per-channel sums (torch's channels-last GroupNorm kernel loses precision with the
     data's offset, see :mod:`normkit.kernels.native`) and gives channels-last output;
-    ill-conditioned or 16-bit input takes normkit's compensated core. CUDA input (and
-    ``backend="triton"``) takes the Triton GroupNorm kernel, SiLU and identity fused into
+    ill-conditioned or 16-bit input takes normkit's compensated core. CUDA input takes
+    torch's GroupNorm kernel, then the activation (the Triton path's launch cost made a
+    conv step 1.9x slower on an H200: :data:`normkit.functional.TRITON_AUTO_OPS`);
+    ``backend="triton"`` takes the Triton GroupNorm kernel, SiLU and identity fused into
     it, other activations after it.
 
     Example:
