@@ -293,6 +293,36 @@ def test_batch_norm_train(case):
             close(g, want, dtype, f"d{name}")
 
 
+@pytest.mark.parametrize("block_k, block_c", [(1, 1), (2, 4), (8, 8)])
+def test_batch_norm_statistics_merge_by_count(block_k, block_c):
+    """The merge kernel against Chan et al.'s formula in float64, over 5 chunks of 9
+    values and a last one of 4, at an offset of 1e4: chunk counts and channel counts that
+    are not multiples of the blocks exercise every mask."""
+    from normkit.kernels.triton import _kernels as K
+    from normkit.kernels.triton import _ops
+
+    torch.manual_seed(17)
+    chunks, per_chunk, c, r = 6, 9, 3, 5 * 9 + 4
+    counts = torch.full((chunks, 1), float(per_chunk), dtype=torch.float64)
+    counts[-1] = r - per_chunk * (chunks - 1)
+    means = 1e4 + torch.randn(chunks, c, dtype=torch.float64)
+    hi = means.float()
+    lo = (means - hi.double()).float()
+    m2 = (torch.rand(chunks, c, dtype=torch.float64) * counts).float()
+    parts = [t.to(DEVICE) for t in (hi, lo, m2)]
+    out = [torch.full((c,), float("nan"), device=DEVICE) for _ in range(4)]
+    _ops._launch(K._bn_merge, _ops._cdiv(c, block_c), (*parts, *out, c, r, chunks, per_chunk,
+                                                       1e-5), BLOCK_K=block_k, BLOCK_C=block_c)
+    part_mean = hi.double() + lo.double()
+    mean = (counts * part_mean).sum(0) / r
+    var = (m2.double().sum(0) + (counts * (part_mean - mean).square()).sum(0)) / r
+    mean_hi, mean_lo, got_var, rstd = (t.cpu() for t in out)
+    assert torch.equal(mean_hi, mean.float())
+    assert float((mean_hi.double() + mean_lo.double() - mean).abs().max()) < 1e-9
+    torch.testing.assert_close(got_var.double(), var, rtol=1e-6, atol=0)
+    torch.testing.assert_close(rstd.double(), (var + 1e-5).rsqrt(), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_batch_norm_eval(layout, dtype):

@@ -15,8 +15,8 @@ Conventions shared by every kernel here:
 * **int64 offsets.** Program ids and every row, channel or spatial index are widened to
   int64 before they meet a stride, so tensors past 2**31 elements index correctly.
 * **No atomics.** A reduction across programs (weight and bias gradients, BatchNorm
-  statistics) writes per-program partials that the host reduces in a fixed order, so
-  every result is bitwise reproducible.
+  statistics) writes per-program partials that a second kernel (:func:`_bn_merge`) or a
+  torch sum reduces in a fixed order, so every result is bitwise reproducible.
 * **Any width.** Rows and groups wider than one block are walked in ``BLOCK``-sized
   chunks; a ``SINGLE`` row (one block) is read once and kept in registers.
 * **NaN and Inf propagate** as in torch: a NaN anywhere in a normalized group makes the
@@ -482,7 +482,7 @@ def _gn_bwd_dx(
 # The R = N * S reduced positions of each channel are split into chunks of
 # ``rows_per_program``; program ``pid`` handles chunk ``pid // C_BLOCKS`` of channel
 # block ``pid % C_BLOCKS`` in [BLOCK_R, BLOCK_C] tiles and writes one row of the
-# (chunks, C) float32 partials, which the host merges (count-weighted, float64).
+# (chunks, C) float32 partials, which _bn_merge merges (count-weighted, float64).
 # --------------------------------------------------------------------------------------
 
 
@@ -530,6 +530,50 @@ def _bn_stats(
     tl.store(PMEAN_HI + out, mean_hi, mask=cmask)
     tl.store(PMEAN_LO + out, mean_lo, mask=cmask)
     tl.store(PM2 + out, m2, mask=cmask)
+
+
+@_jit
+def _bn_merge(
+    PMEAN_HI, PMEAN_LO, PM2, MEAN_HI, MEAN_LO, VAR, RSTD,
+    C, R, chunks, rows_per_program, eps,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Merge the ``(chunks, C)`` partials of :func:`_bn_stats` by count, in float64.
+
+    Chan et al.'s pairwise formula, summed in a fixed order: ``mean = sum(n_k m_k) / R``,
+    ``M2 = sum(M2_k) + sum(n_k (m_k - mean)**2)``, every chunk holding
+    ``rows_per_program`` values but the last. Stores the biased variance, ``rstd`` and the
+    mean split into a float32 pair, so ``x - mean`` keeps its digits at any offset.
+    """
+    c = tl.program_id(0).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    last = R - rows_per_program * (chunks - 1)
+    acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float64)
+    for k0 in range(0, chunks, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        mask = (k < chunks)[:, None] & cmask[None, :]
+        count = tl.where(k == chunks - 1, last, rows_per_program).to(tl.float64)
+        off = k[:, None] * C + c[None, :]
+        m = (tl.load(PMEAN_HI + off, mask=mask, other=0.0).to(tl.float64)
+             + tl.load(PMEAN_LO + off, mask=mask, other=0.0).to(tl.float64))
+        acc += tl.where(mask, count[:, None] * m, 0.0)
+    mean = tl.sum(acc, axis=0) / R
+    acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float64)
+    for k0 in range(0, chunks, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        mask = (k < chunks)[:, None] & cmask[None, :]
+        count = tl.where(k == chunks - 1, last, rows_per_program).to(tl.float64)
+        off = k[:, None] * C + c[None, :]
+        d = (tl.load(PMEAN_HI + off, mask=mask, other=0.0).to(tl.float64)
+             + tl.load(PMEAN_LO + off, mask=mask, other=0.0).to(tl.float64)) - mean[None, :]
+        m2 = tl.load(PM2 + off, mask=mask, other=0.0).to(tl.float64)
+        acc += tl.where(mask, m2 + count[:, None] * d * d, 0.0)
+    var = tl.sum(acc, axis=0) / R
+    mean_hi = mean.to(tl.float32)
+    tl.store(MEAN_HI + c, mean_hi, mask=cmask)
+    tl.store(MEAN_LO + c, (mean - mean_hi.to(tl.float64)).to(tl.float32), mask=cmask)
+    tl.store(VAR + c, var.to(tl.float32), mask=cmask)
+    tl.store(RSTD + c, (1.0 / tl.sqrt(var + eps)).to(tl.float32), mask=cmask)
 
 
 @_jit

@@ -31,6 +31,9 @@ from . import _kernels as K
 ROW_BLOCK = 8192
 #: Elements of one GroupNorm/BatchNorm tile. Not tuned either (same section).
 TILE = 4096
+#: Channels one program of the BatchNorm statistics merge handles (partials are read as
+#: ``(chunks, MERGE_CHANNELS)`` tiles, channels contiguous).
+MERGE_CHANNELS = 32
 #: Programs that share one cross-program reduction under the interpreter: few, but more
 #: than one, so the partial buffers and their merge are exercised by the CPU tests.
 INTERPRETER_PROGRAMS = 4
@@ -397,9 +400,10 @@ def _bn_config(v: Tensor, block: int | None) -> tuple[int, int]:
 def bn_stats(x: Tensor, eps: float, block: int | None):
     """Per-channel ``(mean_hi, mean_lo, var, rstd)`` of ``(N, C, *)`` over N and spatial.
 
-    Chunks of each channel get compensated (mean, M2) in float32 on the device; the host
-    merges them by count in float64 (Chan et al.), and splits the mean into a float32
-    pair again so that ``x - mean`` keeps its digits at any offset. ``var`` is biased.
+    Chunks of each channel get compensated (mean, M2) in float32 on the device; a second
+    kernel merges them by count in float64 (Chan et al.) and splits the mean into a
+    float32 pair again so that ``x - mean`` keeps its digits at any offset. ``var`` is
+    biased. Two launches, nothing else on the host side.
     """
     v = _ncs(x)
     n, c, s = v.shape
@@ -409,21 +413,18 @@ def bn_stats(x: Tensor, eps: float, block: int | None):
     chunks = min(_cdiv(r, block_r), max(1, _cdiv(_programs(x.device, per_sm=4), c_blocks)))
     per_chunk = _cdiv(_cdiv(r, chunks), block_r) * block_r
     chunks = _cdiv(r, per_chunk)
-    part_hi, part_lo, part_m2 = torch.empty((3, chunks, c), dtype=torch.float32,
-                                            device=x.device)
+    parts = torch.empty((3, chunks, c), dtype=torch.float32, device=x.device)
+    # (four tensors, not views of one: they are separate outputs of the operator)
+    out = [torch.empty(c, dtype=torch.float32, device=x.device) for _ in range(4)]
+    merge_c = min(next_pow2(c), MERGE_CHANNELS)
+    merge_k = min(next_pow2(chunks), max(1, (TILE if block is None else block) // merge_c))
     with _on_device(x):
         _launch(K._bn_stats, chunks * c_blocks,
-                (v, part_hi, part_lo, part_m2, *v.stride(), c, s, r, per_chunk, c_blocks),
+                (v, *parts, *v.stride(), c, s, r, per_chunk, c_blocks),
                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_warps(block_r * block_c, 8))
-    counts = torch.full((chunks, 1), float(per_chunk), dtype=torch.float64, device=x.device)
-    counts[-1] = r - per_chunk * (chunks - 1)
-    part_mean = part_hi.double() + part_lo.double()  # (chunks, C)
-    mean = (counts * part_mean).sum(0) / r
-    m2 = part_m2.double().sum(0) + (counts * (part_mean - mean).square()).sum(0)
-    var = m2 / r
-    mean_hi = mean.float()
-    mean_lo = (mean - mean_hi.double()).float()
-    return mean_hi, mean_lo, var.float(), (var + eps).rsqrt().float()
+        _launch(K._bn_merge, _cdiv(c, merge_c), (*parts, *out, c, r, chunks, per_chunk, eps),
+                BLOCK_K=merge_k, BLOCK_C=merge_c, num_warps=_warps(merge_k * merge_c, 4))
+    return tuple(out)
 
 
 def bn_apply(x: Tensor, mean_hi: Tensor, mean_lo: Tensor, rstd: Tensor,
