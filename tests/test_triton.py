@@ -341,6 +341,45 @@ def test_batch_norm_eval(layout, dtype):
         close(g, want, dtype, f"d{name}")
 
 
+#: float64 running statistics at an offset: their float32 copy loses the low digits.
+RUNNING64 = (1e4 + torch.tensor([1 / 3, 0.1, -1 / 7, 0.25, 1 / 9, -0.3], dtype=torch.float64),
+             torch.tensor([0.5, 1.0, 2.0, 1.5, 0.75, 1.25], dtype=torch.float64))
+INFERENCE_CASES = {
+    "ln-residual": lambda x, w, b: tk.layer_norm(x, (2, 3), w.view(2, 3), b.view(2, 3),
+                                                  residual=x * 0.5),
+    "rms": lambda x, w, b: tk.rms_norm(x, (3,), w[:3], block=2),
+    "gn-silu": lambda x, w, b: tk.group_norm(x, 3, w, b, act="silu"),
+    "bn-train": lambda x, w, b: tk.batch_norm_train(x, w, b, block=8),
+    "bn-eval-float64-buffers": lambda x, w, b: tk.batch_norm_eval(
+        x, RUNNING64[0].to(x.device), RUNNING64[1].to(x.device), w, b),
+}
+
+
+@pytest.mark.parametrize("case", INFERENCE_CASES.keys())
+def test_inference_calls_skip_autograd_and_equal_training_calls(case):
+    """Without grad mode (or without inputs that require grad) the launchers run
+    directly, skipping the autograd Function: results bitwise equal to the recorded call,
+    nothing requiring grad."""
+    torch.manual_seed(18)
+    x = rand(4, 6, 2, 3, offset=1e4 if case.startswith("bn-eval") else 0.5)
+    w, b = param(6), param(6)
+    call = INFERENCE_CASES[case]
+    recorded = call(x, w, b)
+    with torch.no_grad():
+        direct = call(x, w, b)
+    plain = call(x.detach(), w.detach(), b.detach())
+    recorded, direct, plain = ([t] if isinstance(t, torch.Tensor) else list(t)
+                               for t in (recorded, direct, plain))
+    assert recorded[0].requires_grad and recorded[0].grad_fn is not None
+    for want, got_a, got_b in zip(recorded, direct, plain, strict=True):
+        assert not got_a.requires_grad and not got_b.requires_grad
+        assert torch.equal(got_a, want.detach()) and torch.equal(got_b, want.detach())
+    if case == "bn-eval-float64-buffers":  # the float64 running mean keeps its low digits
+        xd, wd, bd = leaves(x, w, b)
+        yd = F.batch_norm(xd, RUNNING64[0].to(DEVICE), RUNNING64[1].to(DEVICE), wd, bd)
+        close(direct[0], yd, F32, "y")
+
+
 # ------------------------------------------------------------------- numerics, hazards
 
 OFFSET_CASES = ["ln-single", "ln-chunked", "gn-nchw", "gn-nhwc", "bn-nchw", "bn-nhwc"]
@@ -587,23 +626,59 @@ def test_fullgraph_compile_runs_the_registered_kernels(training):
 # -------------------------------------------------------------- fused ops on the kernels
 
 
+def _auto_as_on_cuda(monkeypatch):
+    """Make ``backend="auto"`` route this device's inputs as it routes CUDA inputs (on a
+    GPU it does already; under the interpreter the inputs are CPU tensors)."""
+    import normkit.functional as NF
+
+    def use_triton(backend, x, supported, op):
+        return backend == "triton" or (backend == "auto" and op in NF.TRITON_AUTO_OPS
+                                       and supported())
+
+    monkeypatch.setattr(NF, "_use_triton", use_triton)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
+def test_auto_on_cuda_runs_the_row_kernel_as_triton_does(op, monkeypatch):
+    """normkit.functional.layer_norm/rms_norm under "auto" on a CUDA input skip the
+    kernel's own argument checks (supports_* made them): same values and gradients as
+    backend="triton", bitwise."""
+    import normkit.functional as NF
+
+    _auto_as_on_cuda(monkeypatch)
+    x, w, b = rand(3, 5, 24), param(24), param(24)
+    fn = ((lambda backend: NF.layer_norm(x, (24,), w, b, backend=backend)) if op == "ln"
+          else (lambda backend: NF.rms_norm(x, (24,), w, backend=backend)))
+    runs = []
+    for backend in ("auto", "triton"):
+        y = fn(backend)
+        assert "RowNormFunction" in type(y.grad_fn).__name__
+        runs.append([y, *torch.autograd.grad(y, [x, w], torch.ones_like(y))])
+    for auto, triton in zip(*runs, strict=True):
+        assert torch.equal(auto, triton)
+
+
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("x_dtype,r_dtype,in_fp32", [
     (F32, F32, False), (BF16, BF16, True), (BF16, F32, False), (F16, None, True),
     (F32, None, False)], ids=["fp32", "bf16-fp32-stream", "bf16+fp32", "fp16-alone-fp32",
                               "fp32-alone"])
-def test_add_norm_takes_the_kernel(op, x_dtype, r_dtype, in_fp32):
-    """add_layer_norm / add_rms_norm with backend="triton": the row kernel with its
-    residual add, the stream in normkit's dtype (residual_in_fp32 honoured), values and
-    gradients as the float64 reference."""
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_add_norm_takes_the_kernel(op, x_dtype, r_dtype, in_fp32, backend, monkeypatch):
+    """add_layer_norm / add_rms_norm with backend="triton", and "auto" as on a CUDA input
+    (which skips the argument checks supports_* made): the row kernel with its residual
+    add, the stream in normkit's dtype (residual_in_fp32 honoured), values and gradients
+    as the float64 reference."""
     from normkit.norms import fused
 
+    if backend == "auto":
+        _auto_as_on_cuda(monkeypatch)
     x, w = rand(6, 40, dtype=x_dtype), param(40)
     r = None if r_dtype is None else rand(6, 40, dtype=r_dtype)
     b = param(40) if op == "ln" else None
     fn = fused.add_layer_norm if op == "ln" else fused.add_rms_norm
     affine = (w, b) if op == "ln" else (w,)
-    y, s = fn(x, r, 40, *affine, residual_in_fp32=in_fp32, backend="triton")
+    y, s = fn(x, r, 40, *affine, residual_in_fp32=in_fp32, backend=backend)
     want_s = torch.promote_types(x_dtype, x_dtype if r is None else r.dtype)
     want_s = torch.promote_types(want_s, F32) if in_fp32 else want_s
     assert y.dtype == x_dtype and s.dtype == want_s

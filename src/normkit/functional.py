@@ -420,7 +420,9 @@ def layer_norm(
         return _empty_result(input, weight, bias)
     if _use_triton(backend, input, lambda: tk.supports_layer_norm(input, shape, weight, bias),
                    "layer_norm"):
-        return tk.layer_norm(input, shape, weight, bias, eps)
+        if backend == "triton":  # (checks its arguments; under "auto" supports_* did)
+            return tk.layer_norm(input, shape, weight, bias, eps)
+        return tk._row_norm_unchecked(input, None, weight, bias, len(shape), eps, True)
     if backend == "auto":
         if not compiling():
             y = native.layer_norm(input, shape, weight, bias, eps)
@@ -461,7 +463,9 @@ def rms_norm(
         return _empty_result(input, weight, None)
     if _use_triton(backend, input, lambda: tk.supports_rms_norm(input, shape, weight),
                    "rms_norm"):
-        return tk.rms_norm(input, shape, weight, eps)
+        if backend == "triton":  # (checks its arguments; under "auto" supports_* did)
+            return tk.rms_norm(input, shape, weight, eps)
+        return tk._row_norm_unchecked(input, None, weight, None, len(shape), eps, False)
     if check_backend(backend) == "reference" or compiling() or not input.is_contiguous():
         # (the strided path keeps the input's memory format in the output)
         return normalize(input, dims, weight, None, eps, center=False, backend=backend)[0]

@@ -543,15 +543,19 @@ def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual
     if F._use_triton(backend, x, lambda: _triton_serves_add(x, residual, shape, weight, bias,
                                                              res_dtype),
                      "layer_norm" if center else "rms_norm"):
-        norm = tk.layer_norm if center else tk.rms_norm
-        affine = (weight, bias) if center else (weight,)
+        if backend == "triton":  # (the checks of tk.layer_norm/rms_norm: "auto" made them)
+            norm = tk.layer_norm if center else tk.rms_norm
+            affine = (weight, bias) if center else (weight,)
+            run = lambda s, res: norm(s, shape, *affine, eps, residual=res)  # noqa: E731
+        else:
+            run = lambda s, res: tk._row_norm_unchecked(  # noqa: E731
+                s, res, weight, bias if center else None, len(shape), eps, center)
         if residual is None:
             s = x if res_dtype == x.dtype else x.to(res_dtype)
-            return norm(s, shape, *affine, eps).to(x.dtype), s
+            return run(s, None).to(x.dtype), s
         # the kernel adds in promote(x, residual): an fp32 stream is asked for by handing
         # it an fp32 residual
-        res = residual if residual.dtype == res_dtype else residual.to(res_dtype)
-        return norm(x, shape, *affine, eps, residual=res)
+        return run(x, residual if residual.dtype == res_dtype else residual.to(res_dtype))
     if residual is None and res_dtype == x.dtype and center:
         # nothing to add: the plain LayerNorm (torch's kernel where accurate), x passes on
         return F.layer_norm(x, shape, weight, bias, eps, backend=backend), x

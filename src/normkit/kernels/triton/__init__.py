@@ -377,6 +377,29 @@ def _check_block(block: int | None) -> None:
         raise ValueError(f"block must be None or a power of two, got {block!r}")
 
 
+def _row_norm_unchecked(x: Tensor, residual: Tensor | None, weight: Tensor | None,
+                       bias: Tensor | None, ndim: int, eps: float, center: bool,
+                       block: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`layer_norm` (``center``) or :func:`rms_norm` over the trailing ``ndim``
+    dims, without checking the arguments: for callers that have just asked
+    :func:`supports_layer_norm` (each check costs host time on a GPU, where a small
+    normalization is bound by it). ``eps`` is a number, not None.
+
+    Example (needs a CUDA GPU, or the interpreter):
+        >>> if supports_layer_norm(x, (d,), w, b):  # doctest: +SKIP
+        ...     y = _row_norm_unchecked(x, None, w, b, 1, 1e-5, True)
+    """
+    from . import _ops
+
+    eps = float(eps)
+
+    if _ops.records_graph(x, residual, weight, bias):
+        return _ops.RowNormFunction.apply(x, residual, weight, bias, ndim, eps, center, block)
+    n = x.shape[x.dim() - ndim:].numel()
+    y, h, *_ = _ops.rows_forward(x, residual, weight, bias, n, eps, center, block)
+    return y if h is None else (y, h)
+
+
 def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5, residual: Tensor | None = None,
                *, block: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -404,10 +427,8 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
     """
     _raise_if("layer_norm", _problem_rows(x, normalized_shape, weight, bias, residual))
     _check_block(block)
-    from ._ops import RowNormFunction
-
-    ndim = len(_as_shape(normalized_shape))
-    return RowNormFunction.apply(x, residual, weight, bias, ndim, float(eps), True, block)
+    return _row_norm_unchecked(x, residual, weight, bias, len(_as_shape(normalized_shape)),
+                              eps, True, block)
 
 
 def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
@@ -432,12 +453,11 @@ def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | 
     """
     _raise_if("rms_norm", _problem_rows(x, normalized_shape, weight, None, residual))
     _check_block(block)
-    from ._ops import RowNormFunction
 
     if eps is None:
         eps = torch.finfo(torch.float32).eps
-    ndim = len(_as_shape(normalized_shape))
-    return RowNormFunction.apply(x, residual, weight, None, ndim, float(eps), False, block)
+    return _row_norm_unchecked(x, residual, weight, None, len(_as_shape(normalized_shape)),
+                              eps, False, block)
 
 
 def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None,
@@ -465,10 +485,13 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None,
     """
     _raise_if("group_norm", _problem_group(x, num_groups, weight, bias, act))
     _check_block(block)
-    from ._ops import ACTIVATIONS, GroupNormFunction
+    from . import _ops
 
-    return GroupNormFunction.apply(x, weight, bias, num_groups, float(eps), ACTIVATIONS[act],
-                                   block)
+    if _ops.records_graph(x, weight, bias):
+        return _ops.GroupNormFunction.apply(x, weight, bias, num_groups, float(eps),
+                                            _ops.ACTIVATIONS[act], block)
+    return _ops.gn_forward(x, num_groups, weight, bias, float(eps), _ops.ACTIVATIONS[act],
+                           block)[0]
 
 
 def batch_norm_train(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
@@ -498,9 +521,12 @@ def batch_norm_train(x: Tensor, weight: Tensor | None = None, bias: Tensor | Non
     """
     _raise_if("batch_norm_train", _problem_batch(x, weight, bias))
     _check_block(block)
-    from ._ops import BatchNormTrainFunction
+    from . import _ops
 
-    return BatchNormTrainFunction.apply(x, weight, bias, float(eps), block)
+    if _ops.records_graph(x, weight, bias):
+        return _ops.BatchNormTrainFunction.apply(x, weight, bias, float(eps), block)
+    mean_hi, mean_lo, var, rstd = _ops.bn_stats(x, float(eps), block)
+    return _ops.bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block), mean_hi + mean_lo, var
 
 
 def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
@@ -521,7 +547,10 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
                          "tensors, got None")
     _raise_if("batch_norm_eval", _problem_batch(x, weight, bias, running_mean, running_var))
     _check_block(block)
-    from ._ops import BatchNormEvalFunction
+    from . import _ops
 
-    return BatchNormEvalFunction.apply(x, weight, bias, running_mean, running_var, float(eps),
-                                       block)
+    if _ops.records_graph(x, weight, bias):
+        return _ops.BatchNormEvalFunction.apply(x, weight, bias, running_mean, running_var,
+                                                float(eps), block)
+    return _ops.bn_apply(x, *_ops.running_statistics(running_mean, running_var, float(eps)),
+                         weight, bias, block)

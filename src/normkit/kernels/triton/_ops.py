@@ -109,15 +109,33 @@ def _or(t: Tensor | None, placeholder: Tensor) -> Tensor:
     return placeholder if t is None else t
 
 
+def records_graph(*tensors: Tensor | None) -> bool:
+    """True when a call on ``tensors`` needs its autograd Function: grad mode is on and
+    one of them requires grad, or torch.compile traces it. Otherwise the launchers run
+    directly: an inference call skips ``Function.apply`` and saves nothing."""
+    if torch.compiler.is_compiling():
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 # ----------------------------------------------------------------------------- rows
 
 
-def _rows(t: Tensor, n: int) -> Tensor:
-    """``(M, n)`` view of ``t`` with unit column stride; a copy only if none exists."""
+def _rows(t: Tensor, n: int) -> tuple[Tensor, int]:
+    """``t`` as rows of ``n`` with unit column stride, and their row stride: ``t`` itself
+    when contiguous (no view to dispatch: each costs host time on a GPU), else an
+    ``(M, n)`` view, or a copy only if no such view exists."""
+    if t.is_contiguous():
+        return t, n
     v = t.reshape(t.numel() // n, n)
     if n > 1 and v.stride(1) != 1:
         v = v.contiguous()
-    return v
+    return v, v.stride(0)
 
 
 def _row_config(n: int, block: int | None) -> tuple[int, bool]:
@@ -127,32 +145,37 @@ def _row_config(n: int, block: int | None) -> tuple[int, bool]:
 
 def rows_forward(x: Tensor, residual: Tensor | None, weight: Tensor | None,
                  bias: Tensor | None, n: int, eps: float, center: bool, block: int | None):
-    """``(y, h, mean_hi, mean_lo, rstd)``: y and h (``x + residual`` or None) as ``(M, n)``."""
-    x2 = _rows(x, n)
-    m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    """``(y, h, mean_hi, mean_lo, rstd)``: y and h (``x + residual`` or None) contiguous in
+    ``x``'s shape, the statistics float32 ``(M,)`` for the ``M = x.numel() / n`` rows."""
+    x2, stride_x = _rows(x, n)
+    m = x.numel() // n
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # (three tensors, not views of one: they are separate outputs of the operator; RMSNorm
     # has no mean, its pair is zeros rather than uninitialized memory)
     stat = torch.empty if center else torch.zeros
-    mean_hi, mean_lo = (stat(m, dtype=torch.float32, device=x.device) for _ in range(2))
+    mean_hi = stat(m, dtype=torch.float32, device=x.device)
+    mean_lo = stat(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    r2 = h = None
+    r2, stride_r = x2, stride_x
+    h = None
     if residual is not None:
-        r2 = _rows(residual, n)
-        h = torch.empty((m, n), dtype=torch.promote_types(x.dtype, residual.dtype),
+        r2, stride_r = _rows(residual, n)
+        h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
                         device=x.device)
     size, single = _row_config(n, block)
-    r_, h_ = _or(r2, x2), _or(h, x2)
-    strides = (x2.stride(0), r_.stride(0), h_.stride(0))
-    flags = dict(CENTER=center, HAS_RES=residual is not None, BLOCK=size,
-                 num_warps=_warps(size))
+    h_ = x2 if h is None else h
+    has_res = residual is not None
+    warps = _warps(size)
     with _on_device(x):
         if not single:
-            _launch(K._row_stats, m, (x2, r_, h_, mean_hi, mean_lo, rstd, *strides, n, 1.0 / n,
-                                      eps), **flags)
-        _launch(K._row_fwd, m, (x2, r_, h_, y, _or(weight, x2), _or(bias, x2), mean_hi,
-                                mean_lo, rstd, *strides, y.stride(0), n, 1.0 / n, eps),
-                HAS_W=weight is not None, HAS_B=bias is not None, SINGLE=single, **flags)
+            _launch(K._row_stats, m, (x2, r2, h_, mean_hi, mean_lo, rstd, stride_x, stride_r, n,
+                                      n, 1.0 / n, eps),
+                    warps, CENTER=center, HAS_RES=has_res, BLOCK=size)
+        _launch(K._row_fwd, m, (x2, r2, h_, y, x2 if weight is None else weight,
+                                x2 if bias is None else bias, mean_hi, mean_lo, rstd, stride_x,
+                                stride_r, n, n, n, 1.0 / n, eps),
+                warps, CENTER=center, HAS_RES=has_res, HAS_W=weight is not None,
+                HAS_B=bias is not None, SINGLE=single, BLOCK=size)
     return y, h, mean_hi, mean_lo, rstd
 
 
@@ -160,36 +183,47 @@ def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | N
                   mean_hi: Tensor, mean_lo: Tensor, rstd: Tensor, n: int, center: bool,
                   block: int | None, x_dtype: torch.dtype, r_dtype: torch.dtype | None,
                   need_w: bool, need_b: bool):
-    """``(dx, dr, dw, db)`` as ``(M, n)``, ``(M, n)`` or None, ``(n,)`` float32 or None."""
-    s2, dy2 = _rows(src, n), _rows(dy, n)
-    dh2 = None if dh is None else _rows(dh, n)
-    m = s2.shape[0]
+    """``(dx, dr, dw, db)``: dx and dr (or None) contiguous in ``src``'s shape, dw and db
+    float32 ``(n,)`` or None."""
+    s2, stride_s = _rows(src, n)
+    dy2, stride_dy = _rows(dy, n)
+    dh2, stride_dh = (s2, stride_s) if dh is None else _rows(dh, n)
+    m = src.numel() // n
     size, single = _row_config(n, block)
     programs = min(m, _programs(src.device, per_sm=1))
     per_program = _cdiv(m, programs)
     programs = _cdiv(m, per_program)
     f32 = dict(dtype=torch.float32, device=src.device)
-    dx = torch.empty((m, n), dtype=x_dtype, device=src.device)
-    dr = None if r_dtype is None else torch.empty((m, n), dtype=r_dtype, device=src.device)
-    dw = torch.empty((programs, n), **f32) if need_w else None
-    db = torch.empty((programs, n), **f32) if need_b else None
+    dx = torch.empty(src.shape, dtype=x_dtype, device=src.device)
+    dr = None if r_dtype is None else torch.empty(src.shape, dtype=r_dtype, device=src.device)
+    # per-program partials: one buffer and one sum when both gradients are wanted
+    parts = torch.empty((2, programs, n), **f32) if need_w and need_b else None
+    if parts is not None:
+        dw_part, db_part = parts
+    else:
+        dw_part = torch.empty((programs, n), **f32) if need_w else None
+        db_part = torch.empty((programs, n), **f32) if need_b else None
     c1, c2 = (rstd, rstd) if single else torch.empty((2, m), **f32)
-    w_ = _or(weight, s2)
+    w_ = s2 if weight is None else weight
+    warps = _warps(size)
     with _on_device(src):
         if not single:
             _launch(K._row_bwd_coeffs, m, (s2, dy2, w_, mean_hi, mean_lo, rstd, c1, c2,
-                                           s2.stride(0), dy2.stride(0), n, 1.0 / n),
-                    CENTER=center, HAS_W=weight is not None, BLOCK=size,
-                    num_warps=_warps(size))
-        dh_, dr_ = _or(dh2, s2), _or(dr, dx)
+                                           stride_s, stride_dy, n, 1.0 / n),
+                    warps, CENTER=center, HAS_W=weight is not None, BLOCK=size)
         _launch(K._row_bwd, programs,
-                (s2, dy2, dh_, dx, dr_, w_, mean_hi, mean_lo, rstd, c1, c2, _or(dw, rstd),
-                 _or(db, rstd), s2.stride(0), dy2.stride(0), dh_.stride(0), dx.stride(0),
-                 dr_.stride(0), m, n, 1.0 / n, per_program),
-                CENTER=center, HAS_W=weight is not None, STORE_DW=need_w, STORE_DB=need_b,
-                HAS_DH=dh is not None, STORE_DR=dr is not None, SINGLE=single, BLOCK=size,
-                num_warps=_warps(size))
-    return (dx, dr, None if dw is None else dw.sum(0), None if db is None else db.sum(0))
+                (s2, dy2, dh2, dx, dx if dr is None else dr, w_, mean_hi, mean_lo, rstd, c1, c2,
+                 rstd if dw_part is None else dw_part, rstd if db_part is None else db_part,
+                 stride_s, stride_dy, stride_dh, n, n, m, n, 1.0 / n, per_program),
+                warps, CENTER=center, HAS_W=weight is not None, STORE_DW=need_w,
+                STORE_DB=need_b, HAS_DH=dh is not None, STORE_DR=dr is not None, SINGLE=single,
+                BLOCK=size)
+    if parts is not None:
+        dw, db = parts.sum(1)
+    else:
+        dw = None if dw_part is None else dw_part.sum(0)
+        db = None if db_part is None else db_part.sum(0)
+    return dx, dr, dw, db
 
 
 def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
@@ -223,6 +257,23 @@ def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
     return dsrc, dw, db
 
 
+def _rows_forward_any(x, residual, weight, bias, n, eps, center, block):
+    """:func:`rows_forward`, through its operator while torch.compile traces."""
+    if not torch.compiler.is_compiling():
+        return rows_forward(x, residual, weight, bias, n, eps, center, block)
+    y, h, mean_hi, mean_lo, rstd = OPS.triton_rows_fwd(x, residual, weight, bias, n, eps,
+                                                       center, block)
+    return y, None if residual is None else h, mean_hi, mean_lo, rstd
+
+
+def _like(grad: Tensor, t: Tensor) -> Tensor:
+    """A float32 ``(n,)`` parameter gradient in ``t``'s shape and dtype (no op when it
+    already has them)."""
+    if grad.shape != t.shape:
+        grad = grad.view(t.shape)
+    return grad if grad.dtype == t.dtype else grad.to(t.dtype)
+
+
 class RowNormFunction(torch.autograd.Function):
     """LayerNorm (``center``) or RMSNorm over the trailing ``ndim`` dims, optionally
     after a residual add; returns ``y`` or ``(y, x + residual)``."""
@@ -230,10 +281,8 @@ class RowNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, ndim, eps, center, block):
         n = x.shape[x.dim() - ndim:].numel()
-        y, h, mean_hi, mean_lo, rstd = _ops().triton_rows_fwd(x, residual, weight, bias, n, eps,
-                                                           center, block)
-        y = y.view(x.shape)
-        h = None if residual is None else h.view(x.shape)
+        y, h, mean_hi, mean_lo, rstd = _rows_forward_any(x, residual, weight, bias, n, eps,
+                                                         center, block)
         ctx.save_for_backward(x if h is None else h, weight, bias, mean_hi, mean_lo, rstd)
         ctx.meta = (n, ndim, eps, center, block, x.dtype,
                     None if residual is None else residual.dtype)
@@ -260,13 +309,16 @@ class RowNormFunction(torch.autograd.Function):
                     None if dw is None else dw.to(weight.dtype),
                     None if db is None else db.to(bias.dtype),
                     None, None, None, None)
-        dx, dr, dw, db = _ops().triton_rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd, n,
-                                             center, block, x_dtype,
-                                             r_dtype if need_r else None, need_w, need_b)
-        return (dx.view(src.shape) if need_x else None,
-                dr.view(src.shape) if need_r else None,
-                dw.view(weight.shape).to(weight.dtype) if need_w else None,
-                db.view(bias.shape).to(bias.dtype) if need_b else None,
+        r_dtype = r_dtype if need_r else None
+        if torch.compiler.is_compiling():
+            dx, dr, dw, db = OPS.triton_rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd,
+                                                 n, center, block, x_dtype, r_dtype, need_w,
+                                                 need_b)
+        else:
+            dx, dr, dw, db = rows_backward(src, dy, dh, weight, mean_hi, mean_lo, rstd, n,
+                                           center, block, x_dtype, r_dtype, need_w, need_b)
+        return (dx if need_x else None, dr if need_r else None,
+                _like(dw, weight) if need_w else None, _like(db, bias) if need_b else None,
                 None, None, None, None)
 
 
@@ -327,8 +379,13 @@ def gn_backward(x: Tensor, dy: Tensor, weight: Tensor | None, bias: Tensor | Non
     dx, dxv = _empty_like_ncs(x)
     f32 = dict(dtype=torch.float32, device=x.device)
     c1, c2 = torch.empty((2, n * groups), **f32)
-    dw = None if weight is None else torch.empty((n, c), **f32)
-    db = None if bias is None else torch.empty((n, c), **f32)
+    # per-sample partials: one buffer and one sum when both gradients are wanted
+    parts = torch.empty((2, n, c), **f32) if weight is not None and bias is not None else None
+    if parts is not None:
+        dw, db = parts
+    else:
+        dw = None if weight is None else torch.empty((n, c), **f32)
+        db = None if bias is None else torch.empty((n, c), **f32)
     block_s, block_c = _group_config(cpg, s, block)
     s_blocks = _cdiv(s, block_s)
     flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACT=act, BLOCK_S=block_s,
@@ -341,6 +398,9 @@ def gn_backward(x: Tensor, dy: Tensor, weight: Tensor | None, bias: Tensor | Non
         _launch(K._gn_bwd_dx, n * groups * s_blocks,
                 (v, dv, dxv, w_, b_, mean_hi, mean_lo, rstd, c1, c2, *v.stride(), *dv.stride(),
                  *dxv.stride(), groups, cpg, s, s_blocks), **flags)
+    if parts is not None:
+        dw, db = parts.sum(1)
+        return dx, dw, db
     return dx, None if dw is None else dw.sum(0), None if db is None else db.sum(0)
 
 
@@ -362,7 +422,8 @@ class GroupNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, act, block):
-        y, mean_hi, mean_lo, rstd = _ops().triton_gn_fwd(x, groups, weight, bias, eps, act, block)
+        y, mean_hi, mean_lo, rstd = _ops().triton_gn_fwd(x, groups, weight, bias, eps, act,
+                                                         block)
         ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
         ctx.meta = (groups, eps, act, block)
         return y
@@ -377,11 +438,15 @@ class GroupNormFunction(torch.autograd.Function):
                                         _channel_shape(x), weight, bias, dy, act,
                                         (need_x, need_w, need_b))
             return (*_cast_like(grads, (x, weight, bias)), None, None, None, None)
-        dx, dw, db = _ops().triton_gn_bwd(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups,
-                                       act, block)
+        if torch.compiler.is_compiling():
+            dx, dw, db = OPS.triton_gn_bwd(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups,
+                                           act, block)
+        else:
+            dx, dw, db = gn_backward(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups, act,
+                                     block)
         return (dx if need_x else None,
-                dw.to(weight.dtype) if need_w and weight is not None else None,
-                db.to(bias.dtype) if need_b and bias is not None else None,
+                _like(dw, weight) if need_w and weight is not None else None,
+                _like(db, bias) if need_b and bias is not None else None,
                 None, None, None, None)
 
 
@@ -456,14 +521,14 @@ def bn_backward(x: Tensor, dy: Tensor, weight: Tensor | None, mean_hi: Tensor,
     chunks = min(_cdiv(r, block_r), max(1, _cdiv(_programs(x.device, per_sm=4), c_blocks)))
     per_chunk = _cdiv(_cdiv(r, chunks), block_r) * block_r
     chunks = _cdiv(r, per_chunk)
-    part_dy, part_dyx = torch.empty((2, chunks, c), dtype=torch.float32, device=x.device)
+    parts = torch.empty((2, chunks, c), dtype=torch.float32, device=x.device)
     dx, dxv = _empty_like_ncs(x)
     tiles = dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_warps(block_r * block_c, 8))
     with _on_device(x):
         _launch(K._bn_bwd_sums, chunks * c_blocks,
-                (v, dv, mean_hi, mean_lo, rstd, part_dy, part_dyx, *v.stride(), *dv.stride(),
+                (v, dv, mean_hi, mean_lo, rstd, *parts, *v.stride(), *dv.stride(),
                  c, s, r, per_chunk, c_blocks), **tiles)
-        sum_dy, sum_dyx = part_dy.sum(0), part_dyx.sum(0)
+        sum_dy, sum_dyx = parts.sum(1)  # (one reduction for both)
         _launch(K._bn_bwd_dx, _cdiv(r, block_r) * c_blocks,
                 (v, dv, dxv, _or(weight, v), mean_hi, mean_lo, rstd, sum_dy, sum_dyx,
                  *v.stride(), *dv.stride(), *dxv.stride(), c, s, r, c_blocks, 1.0 / r),
@@ -478,11 +543,11 @@ def _cast_like(grads, tensors):
 
 def _bn_grads(ctx, x, dy, weight, bias, mean_hi, mean_lo, rstd, train):
     dx, sum_dyx, sum_dy = _ops().triton_bn_bwd(x, dy, weight, mean_hi, mean_lo, rstd, train,
-                                            ctx.block)
+                                               ctx.block)
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     return (dx if need_x else None,
-            sum_dyx.to(weight.dtype) if need_w and weight is not None else None,
-            sum_dy.to(bias.dtype) if need_b and bias is not None else None)
+            _like(sum_dyx, weight) if need_w and weight is not None else None,
+            _like(sum_dy, bias) if need_b and bias is not None else None)
 
 
 class BatchNormTrainFunction(torch.autograd.Function):
@@ -513,15 +578,26 @@ class BatchNormTrainFunction(torch.autograd.Function):
         return (*_bn_grads(ctx, x, dy, weight, bias, mean_hi, mean_lo, rstd, True), None, None)
 
 
+def running_statistics(running_mean: Tensor, running_var: Tensor, eps: float):
+    """``(mean_hi, mean_lo, rstd)``, float32, of running statistics of any float dtype:
+    the mean as a float32 pair (``mean_lo`` is nonzero for float64 buffers), ``rstd`` from
+    ``running_var + eps`` in float64."""
+    mean = running_mean.detach()
+    mean_hi = mean.float()
+    if mean.dtype == torch.float64:
+        mean_lo = (mean - mean_hi.double()).float()
+    else:  # float32 or narrower: the float32 copy is exact
+        mean_lo = torch.zeros_like(mean_hi)
+    rstd = (running_var.detach().double() + eps).rsqrt().float()
+    return mean_hi, mean_lo, rstd
+
+
 class BatchNormEvalFunction(torch.autograd.Function):
     """Inference-mode BatchNorm: a per-channel affine map with fixed (running) statistics."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, block):
-        mean = running_mean.detach()
-        mean_hi = mean.float()
-        mean_lo = (mean.double() - mean_hi.double()).float()  # nonzero for float64 buffers
-        rstd = (running_var.detach().double() + eps).rsqrt().float()
+        mean_hi, mean_lo, rstd = running_statistics(running_mean, running_var, eps)
         y = _ops().triton_bn_apply(x, mean_hi, mean_lo, rstd, weight, bias, block)
         ctx.save_for_backward(x, weight, bias, mean_hi, mean_lo, rstd)
         ctx.block = block
@@ -584,9 +660,9 @@ def _rows_fwd(x, residual, weight, bias, n, eps, center, block):
 
 def _rows_fwd_fake(x, residual, weight, bias, n, eps, center, block):
     m = x.numel() // n
-    y = x.new_empty((m, n))
+    y = x.new_empty(x.shape)
     h = (y.new_empty(0) if residual is None
-         else x.new_empty((m, n), dtype=torch.promote_types(x.dtype, residual.dtype)))
+         else x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
     return (y, h, *(x.new_empty(m, dtype=torch.float32) for _ in range(3)))
 
 
@@ -594,14 +670,15 @@ def _rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center, block, x_d
               r_dtype, need_w, need_b):
     dx, dr, dw, db = rows_backward(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center,
                                    block, x_dtype, r_dtype, need_w, need_b)
+    if dw is not None and db is not None:
+        db = db.clone()  # (an operator's outputs must not alias: they are rows of one sum)
     return dx, _none_as_empty(dr, dx), _none_as_empty(dw, rstd), _none_as_empty(db, rstd)
 
 
 def _rows_bwd_fake(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center, block, x_dtype,
                    r_dtype, need_w, need_b):
-    m = src.numel() // n
-    dx = src.new_empty((m, n), dtype=x_dtype)
-    dr = dx.new_empty(0) if r_dtype is None else src.new_empty((m, n), dtype=r_dtype)
+    dx = src.new_empty(src.shape, dtype=x_dtype)
+    dr = dx.new_empty(0) if r_dtype is None else src.new_empty(src.shape, dtype=r_dtype)
     f32 = dict(dtype=torch.float32)
     return (dx, dr, rstd.new_empty(n if need_w else 0, **f32),
             rstd.new_empty(n if need_b else 0, **f32))
@@ -618,7 +695,15 @@ def _gn_fwd_fake(x, groups, weight, bias, eps, act, block):
 
 def _gn_bwd(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups, act, block):
     dx, dw, db = gn_backward(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups, act, block)
+    if dw is not None and db is not None:
+        db = db.clone()  # (an operator's outputs must not alias: they are rows of one sum)
     return dx, _none_as_empty(dw, rstd), _none_as_empty(db, rstd)
+
+
+def _bn_bwd(x, dy, weight, mean_hi, mean_lo, rstd, train, block):
+    dx, sum_dyx, sum_dy = bn_backward(x, dy, weight, mean_hi, mean_lo, rstd, train, block)
+    return dx, sum_dyx.clone(), sum_dy  # (rows of one sum: an operator's outputs must not
+    #                                      alias, and a fake one starts its storage)
 
 
 def _gn_bwd_fake(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups, act, block):
@@ -648,7 +733,7 @@ _IMPLEMENTATIONS = {
     "triton_gn_bwd": (_gn_bwd, _gn_bwd_fake),
     "triton_bn_stats": (bn_stats, _bn_stats_fake),
     "triton_bn_apply": (bn_apply, _bn_apply_fake),
-    "triton_bn_bwd": (bn_backward, _bn_bwd_fake),
+    "triton_bn_bwd": (_bn_bwd, _bn_bwd_fake),
 }
 for _name, _schema in _SCHEMAS.items():
     _LIB.define(_name + _schema)
@@ -657,12 +742,17 @@ for _name, _schema in _SCHEMAS.items():
 
 #: The registered operators (``torch.ops.normkit.triton_*``).
 OPS = torch.ops.normkit
-#: The same implementations called directly, without the dispatcher (eager mode: ~3.5 us
-#: less per call, measured on this project's CPU, against launches of ~10-40 us).
-DIRECT = types.SimpleNamespace(**{name: impl for name, (impl, _) in _IMPLEMENTATIONS.items()})
+#: The launchers called directly, without the dispatcher (eager mode: ~3.5 us less per
+#: call, measured on this project's CPU, against launches of ~10-40 us), for the operators
+#: whose results they return as they are; the rows operators and the GroupNorm backward,
+#: whose absent outputs the operator returns as empty placeholders, are called in the
+#: autograd Functions above. Without the operator's wrapper the weight and bias gradients
+#: may be rows of one buffer (one reduction for both).
+DIRECT = types.SimpleNamespace(triton_gn_fwd=gn_forward, triton_bn_stats=bn_stats,
+                               triton_bn_apply=bn_apply, triton_bn_bwd=bn_backward)
 
 
 def _ops():
     """The registered operators while torch.compile traces (one opaque node per launch),
-    else the direct calls: the same code, so eager and compiled results are identical."""
+    else the direct calls: the same kernels, so eager and compiled results are identical."""
     return OPS if torch.compiler.is_compiling() else DIRECT

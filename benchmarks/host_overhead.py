@@ -1,0 +1,146 @@
+"""Host-side cost of normkit's Triton ops without the launches, measured on a CPU.
+
+On a GPU, a small LayerNorm forward+backward through the Triton path is bound by the
+host: Python, torch's dispatcher, allocations and the launches (benchmarks/RESULTS.md,
+"GPU", table 1). Everything but the launches themselves is the same Python on any
+machine, so it can be measured here: the kernels run on CPU tensors through Triton's
+interpreter path with ``_ops.launch_hook`` set to a counter, which skips each launch and
+counts it. Per call, the script prints
+
+* **host us**: median wall time per call, launches excluded;
+* **launches**: Triton launches per call (each ~20-45 us of host time on the H200
+  machines measured, not included above);
+* **aten ops**: torch operators dispatched per call (allocations, views, sums: each a
+  few us of host time, and a kernel on a GPU when it computes);
+* **normkit / torch**: the median over alternating rounds of the ratio of the two host
+  times (> 1: normkit costs more);
+
+beside the same numbers for torch eager's own op, which runs on the CPU here (its host
+time there includes its CPU kernels: tiny inputs keep them short).
+
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/host_overhead.py
+
+The figures are for reading, not asserting: one machine, one run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from normkit.kernels import triton as tk  # noqa: E402
+from normkit.kernels.triton import _ops  # noqa: E402
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _launch_counter():
+    launches = [0]
+
+    def hook(kernel, grid, args, constexprs, num_warps):
+        launches[0] += 1
+
+    return launches, hook
+
+
+def host_us(ours, theirs, number: int = 200, rounds: int = 15) -> tuple[float, float, float]:
+    """Median us per call of ``ours`` and ``theirs``, timed in alternating rounds (this
+    VM's speed drifts between seconds), and the median of the per-round ratios."""
+    for _ in range(50):
+        ours()
+        theirs()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for fn, out in ((ours, times[0]), (theirs, times[1])):
+            begin = time.perf_counter()
+            for _ in range(number):
+                fn()
+            out.append((time.perf_counter() - begin) / number * 1e6)
+    ratios = [a / b for a, b in zip(*times, strict=True)]
+    return statistics.median(times[0]), statistics.median(times[1]), statistics.median(ratios)
+
+
+def fwd_bwd(fn, *leaves):
+    def run():
+        y = fn()
+        y = y[0] if isinstance(y, tuple) else y
+        torch.autograd.grad(y, leaves, torch.ones_like(y))
+    return run
+
+
+def cases() -> dict[str, tuple]:
+    """``name: (normkit call, torch eager call)``, small inputs (64 x 256 rows,
+    4 x 16 x 8 x 8 images), parameters requiring grad."""
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.ones(256, requires_grad=True)
+    b = torch.zeros(256, requires_grad=True)
+    xn, wn, bn = x.detach(), w.detach(), b.detach()
+    img = torch.randn(4, 16, 8, 8, requires_grad=True)
+    c = torch.ones(16, requires_grad=True)
+    cb = torch.zeros(16, requires_grad=True)
+    return {
+        "layer_norm fwd (no grad)": (lambda: tk.layer_norm(xn, (256,), wn, bn),
+                                     lambda: F.layer_norm(xn, (256,), wn, bn)),
+        "layer_norm fwd": (lambda: tk.layer_norm(x, (256,), w, b),
+                           lambda: F.layer_norm(x, (256,), w, b)),
+        "layer_norm fwd+bwd": (fwd_bwd(lambda: tk.layer_norm(x, (256,), w, b), x, w, b),
+                               fwd_bwd(lambda: F.layer_norm(x, (256,), w, b), x, w, b)),
+        "rms_norm fwd+bwd": (fwd_bwd(lambda: tk.rms_norm(x, (256,), w), x, w),
+                             fwd_bwd(lambda: F.rms_norm(x, (256,), w), x, w)),
+        "add+rms_norm fwd+bwd": (
+            fwd_bwd(lambda: tk.rms_norm(x, (256,), w, residual=x), x, w),
+            fwd_bwd(lambda: F.rms_norm(x + x, (256,), w), x, w)),
+        "batch_norm train fwd": (lambda: tk.batch_norm_train(img, c, cb),
+                                 lambda: F.batch_norm(img, None, None, c, cb, True)),
+        "batch_norm train fwd+bwd": (
+            fwd_bwd(lambda: tk.batch_norm_train(img, c, cb), img, c, cb),
+            fwd_bwd(lambda: F.batch_norm(img, None, None, c, cb, True), img, c, cb)),
+        "group_norm fwd": (lambda: tk.group_norm(img, 4, c, cb),
+                           lambda: F.group_norm(img, 4, c, cb)),
+        "group_norm fwd+bwd": (fwd_bwd(lambda: tk.group_norm(img, 4, c, cb), img, c, cb),
+                               fwd_bwd(lambda: F.group_norm(img, 4, c, cb), img, c, cb)),
+    }
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    if not tk.interpreting():
+        raise SystemExit("run with TRITON_INTERPRET=1 (set before triton is imported)")
+    launches, hook = _launch_counter()
+    print("| call | normkit host us | launches | aten ops | torch host us | torch aten ops "
+          "| normkit / torch |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    previous, _ops.launch_hook = _ops.launch_hook, hook
+    try:
+        for name, (ours, theirs) in cases().items():
+            ours()
+            launches[0] = 0
+            with _Count() as counted:
+                ours()
+            n_launch, n_ops = launches[0], counted.ops
+            with _Count() as counted_torch:
+                theirs()
+            mine, torchs, ratio = host_us(ours, theirs)
+            print(f"| {name} | {mine:.1f} | {n_launch} | {n_ops} | {torchs:.1f} | "
+                  f"{counted_torch.ops} | {ratio:.2f} |", flush=True)
+    finally:
+        _ops.launch_hook = previous
+
+
+if __name__ == "__main__":
+    main()
