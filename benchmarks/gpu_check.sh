@@ -7,7 +7,8 @@
 #   steps.log        torch, triton, CUDA and the device; the wheel installs; then the
 #                    output of both bench runs
 #   overhead.txt     benchmarks/gpu_overhead.py: host us per call, kernel time under CUDA
-#                    graphs, a profile, and torch's CUDA accuracy at offsets
+#                    graphs, a sweep of the two untuned launch parameters, a profile, and
+#                    torch's CUDA accuracy at offsets
 #   results-gpu.json, RESULTS-gpu.md   the table for benchmarks/RESULTS.md
 #   results-gpu-widths.json, RESULTS-gpu-widths.md   LayerNorm/RMSNorm and their add ops
 #                    at 4096 rows of width 256 to 16384 (issue 6: fwd+bwd >= torch eager
@@ -23,7 +24,7 @@
 # Needs a python3 with a CUDA build of torch, triton, pytest, hypothesis and numpy (the
 # device machine's image has them); normkit runs from src/ without installing. Each
 # step has its own time limit (a bench stopped by it still writes the passes it measured,
-# marked interrupted), so the whole run ends within ~7.5 minutes; on the H200 of
+# marked interrupted), so the whole run ends within ~8 minutes; on the H200 of
 # 2026-11-30 it took about 3 (H200 HBM3e peak, for the % of peak: 4.8 TB/s; steps.log
 # has nvidia-smi's clocks and memory):
 #   bash benchmarks/gpu_check.sh            (on the GPU machine, from the repo root)
@@ -117,7 +118,7 @@ tail -n 5 "$part"
 rm -f "$part"
 
 if [ "$device" = cuda ]; then
-    timeout -k 15 80 "$python" benchmarks/gpu_overhead.py > "$out/overhead.txt" 2>&1
+    timeout -k 15 110 "$python" benchmarks/gpu_overhead.py > "$out/overhead.txt" 2>&1
 else  # (the interpreter is slow: rehearse the first step only)
     TRITON_INTERPRET=1 NORMKIT_OVERHEAD_DEVICE=cpu "$python" benchmarks/gpu_overhead.py \
         precision > "$out/overhead.txt" 2>&1

@@ -3,9 +3,9 @@ without the host, and a profile. Run on a CUDA machine (the device tool's H200):
 
     PYTHONPATH=src python3 benchmarks/gpu_overhead.py [STEP ...] > overhead.txt
 
-(steps: precision, accuracy, host_table, gpu_table, profiles; default all)
+(steps: precision, accuracy, host_table, gpu_table, tuning, profiles; default all)
 
-Three tables, each beside torch eager (and Liger-Kernel where it imports):
+Four tables, the first two beside torch eager (and Liger-Kernel where it imports):
 
 1. **host us/call**: wall time per call of a loop that never synchronizes, on inputs so
    small that the GPU finishes each call before the next is issued: what Python, the
@@ -14,7 +14,9 @@ Three tables, each beside torch eager (and Liger-Kernel where it imports):
 2. **GPU us/call**: the same calls captured in a CUDA graph and replayed, so no host work
    is timed: the kernels alone (on 4096 x >= 1024 rows and CNN activations; the graph
    replays the same buffers, so what fits in the 60 MB L2 is warm).
-3. **cProfile** of normkit's LayerNorm and BatchNorm forward+backward on CUDA.
+3. **tuning**: the kernel time of the two launch parameters not tuned yet
+   (``_ops.ROW_BWD_PROGRAMS_PER_SM``, ``_ops.BN_CHUNKS_PER_SM``) over candidate values.
+4. **cProfile** of normkit's LayerNorm and BatchNorm forward+backward on CUDA.
 
 Before them: the single-block LayerNorm's statistics at a mean of 1e4 (the H200 run
 found them off with FMA contraction on), and the float32 accuracy of torch's CUDA
@@ -27,6 +29,7 @@ The figures are for reading, not asserting: one machine, one run.
 from __future__ import annotations
 
 import cProfile
+import functools
 import importlib
 import os
 import pstats
@@ -228,6 +231,52 @@ def gpu_table() -> None:
               rows, graph_us)
 
 
+def tuning() -> None:
+    """Kernel time (CUDA graphs) of the two untuned launch parameters over candidate
+    values: ``_ops.ROW_BWD_PROGRAMS_PER_SM`` (LayerNorm backward, 4096 rows) and
+    ``_ops.BN_CHUNKS_PER_SM`` (BatchNorm statistics + merge, and its backward)."""
+    big = DEV == "cuda"  # (the interpreter rehearsal: tiny shapes, one timed call each)
+    timer = graph_us if big else (lambda fn: host_us(fn, n=1))
+    rows = 4096 if big else 8
+    print("\n## Tuning: GPU us/call under CUDA graphs (columns: the parameter's value)\n")
+    saved = _ops.ROW_BWD_PROGRAMS_PER_SM, _ops.BN_CHUNKS_PER_SM
+    candidates = (1, 2, 4, 8)
+    try:
+        print(f"{'LN bwd, ROW_BWD_PROGRAMS_PER_SM':<40}" + "".join(f"{k:>9}" for k in candidates))
+        for n in (256, 1024, 4096, 8192) if big else (16,):
+            x = torch.randn(rows, n, device=DEV)
+            w, b, dy = torch.randn(n, device=DEV), torch.randn(n, device=DEV), torch.randn_like(x)
+            _, _, mh, ml, rstd = _ops.rows_forward(x, None, w, b, n, 1e-5, True, None)
+            times = []
+            for k in candidates:
+                _ops.ROW_BWD_PROGRAMS_PER_SM = k
+                times.append(timer(functools.partial(
+                    _ops.rows_backward, x, dy, None, w, mh, ml, rstd, n, True, None, x.dtype,
+                    None, True, True)))
+            print(f"{f'{rows}x{n}':<40}" + "".join(f"{t:9.1f}" for t in times))
+        candidates = (1, 2, 4, 8, 16)
+        print(f"\n{'BN, BN_CHUNKS_PER_SM':<40}" + "".join(f"{k:>9}" for k in candidates))
+        images = ((((32, 64, 56, 56), False), ((32, 64, 56, 56), True),
+                   ((32, 256, 14, 14), True)) if big else (((2, 4, 3, 3), True),))
+        for shape, cl in images:
+            x = torch.randn(shape, device=DEV)
+            x = x.to(memory_format=torch.channels_last) if cl else x
+            dy = torch.randn_like(x)
+            tag = f"{'x'.join(map(str, shape))} {'NHWC' if cl else 'NCHW'}"
+            for what in ("stats", "bwd"):
+                times = []
+                for k in candidates:
+                    _ops.BN_CHUNKS_PER_SM = k
+                    mh, ml, _, rstd = _ops.bn_stats(x, 1e-5, None)
+                    fn = (functools.partial(_ops.bn_stats, x, 1e-5, None) if what == "stats"
+                          else functools.partial(_ops.bn_backward, x, dy, None, mh, ml, rstd,
+                                                 True, None))
+                    times.append(timer(fn))
+                print(f"{f'{what} {tag}':<40}" + "".join(f"{t:9.1f}" for t in times))
+    finally:
+        _ops.ROW_BWD_PROGRAMS_PER_SM, _ops.BN_CHUNKS_PER_SM = saved
+
+
 def profiles() -> None:
     big = DEV == "cuda"  # (the interpreter rehearsal: tiny shapes, few calls)
     m, n = (4096, 1024) if big else (8, 64)
@@ -342,7 +391,8 @@ if __name__ == "__main__":
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name() if DEV == 'cuda' else DEV}")
-    steps = {f.__name__: f for f in (precision, accuracy, host_table, gpu_table, profiles)}
+    steps = {f.__name__: f for f in (precision, accuracy, host_table, gpu_table, tuning,
+                                     profiles)}
     unknown = [name for name in sys.argv[1:] if name not in steps]
     if unknown:
         sys.exit(f"unknown step(s) {unknown}: expected some of {list(steps)}")

@@ -31,6 +31,14 @@ from . import _kernels as K
 ROW_BLOCK = 8192
 #: Elements of one GroupNorm/BatchNorm tile. Not tuned either (same section).
 TILE = 4096
+#: Programs per multiprocessor of the LayerNorm/RMSNorm backward, each owning a run of
+#: rows and one row of the weight-gradient partials. Not tuned: 1 made the backward at
+#: 4096 x 1024 1.37x torch's kernel time on an H200, 0.52-0.65x at widths 4096 and 8192
+#: (``benchmarks/gpu_overhead.py tuning`` sweeps it).
+ROW_BWD_PROGRAMS_PER_SM = 1
+#: Chunks per multiprocessor that each BatchNorm channel's positions are split into for
+#: the statistics and the backward's sums. Not tuned (same sweep).
+BN_CHUNKS_PER_SM = 4
 #: Channels one program of the BatchNorm statistics merge handles (partials are read as
 #: ``(chunks, MERGE_CHANNELS)`` tiles, channels contiguous).
 MERGE_CHANNELS = 32
@@ -190,7 +198,7 @@ def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | N
     dh2, stride_dh = (s2, stride_s) if dh is None else _rows(dh, n)
     m = src.numel() // n
     size, single = _row_config(n, block)
-    programs = min(m, _programs(src.device, per_sm=1))
+    programs = min(m, _programs(src.device, per_sm=ROW_BWD_PROGRAMS_PER_SM))
     per_program = _cdiv(m, programs)
     programs = _cdiv(m, per_program)
     f32 = dict(dtype=torch.float32, device=src.device)
@@ -462,6 +470,15 @@ def _bn_config(v: Tensor, block: int | None) -> tuple[int, int]:
     return max(1, min(next_pow2(n * s), tile // block_c)), block_c
 
 
+def _bn_chunks(device: torch.device, r: int, block_r: int, c_blocks: int) -> tuple[int, int]:
+    """``(chunks, per_chunk)``: the ``r`` positions of each channel split into chunks of
+    ``per_chunk`` (a multiple of ``block_r``; the last may be shorter), about
+    :data:`BN_CHUNKS_PER_SM` programs per multiprocessor over the ``c_blocks``."""
+    chunks = min(_cdiv(r, block_r), max(1, _cdiv(_programs(device, BN_CHUNKS_PER_SM), c_blocks)))
+    per_chunk = _cdiv(_cdiv(r, chunks), block_r) * block_r
+    return _cdiv(r, per_chunk), per_chunk
+
+
 def bn_stats(x: Tensor, eps: float, block: int | None):
     """Per-channel ``(mean_hi, mean_lo, var, rstd)`` of ``(N, C, *)`` over N and spatial.
 
@@ -475,9 +492,7 @@ def bn_stats(x: Tensor, eps: float, block: int | None):
     r = n * s
     block_r, block_c = _bn_config(v, block)
     c_blocks = _cdiv(c, block_c)
-    chunks = min(_cdiv(r, block_r), max(1, _cdiv(_programs(x.device, per_sm=4), c_blocks)))
-    per_chunk = _cdiv(_cdiv(r, chunks), block_r) * block_r
-    chunks = _cdiv(r, per_chunk)
+    chunks, per_chunk = _bn_chunks(x.device, r, block_r, c_blocks)
     parts = torch.empty((3, chunks, c), dtype=torch.float32, device=x.device)
     # (four tensors, not views of one: they are separate outputs of the operator)
     out = [torch.empty(c, dtype=torch.float32, device=x.device) for _ in range(4)]
@@ -518,9 +533,7 @@ def bn_backward(x: Tensor, dy: Tensor, weight: Tensor | None, mean_hi: Tensor,
     r = n * s
     block_r, block_c = _bn_config(v, block)
     c_blocks = _cdiv(c, block_c)
-    chunks = min(_cdiv(r, block_r), max(1, _cdiv(_programs(x.device, per_sm=4), c_blocks)))
-    per_chunk = _cdiv(_cdiv(r, chunks), block_r) * block_r
-    chunks = _cdiv(r, per_chunk)
+    chunks, per_chunk = _bn_chunks(x.device, r, block_r, c_blocks)
     parts = torch.empty((2, chunks, c), dtype=torch.float32, device=x.device)
     dx, dxv = _empty_like_ncs(x)
     tiles = dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_warps(block_r * block_c, 8))
