@@ -4,6 +4,7 @@
 # installed). Writes everything under $OUT (default ./gpu-out), eight files, the most the
 # device tool brings back:
 #   tests.log        pytest tests/test_triton.py tests/test_triton_dispatch.py
+#                    tests/test_accelerator_policy.py (no device sync under "auto")
 #   steps.log        torch, triton, CUDA and the device; the wheel installs; then the
 #                    output of both bench runs
 #   overhead.txt     benchmarks/gpu_overhead.py: host us per call, kernel time under CUDA
@@ -69,7 +70,8 @@ if [ "$device" = cuda ]; then
     # (pytest-xdist, in the device image, spreads the kernels' compiles over 8 processes)
     par=$("$python" -c 'import xdist' 2>/dev/null && echo "-n 8")
     timeout -k 15 110 "$python" -m pytest -q -rf -p no:cacheprovider $par --durations=15 \
-        tests/test_triton.py tests/test_triton_dispatch.py > "$out/tests.log" 2>&1
+        tests/test_triton.py tests/test_triton_dispatch.py tests/test_accelerator_policy.py \
+        > "$out/tests.log" 2>&1
     code=$?; echo "tests: exit $code (tail of $out/tests.log)"
     [ "$code" = 0 ] || failed="$failed tests"
 else

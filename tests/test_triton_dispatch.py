@@ -166,11 +166,13 @@ def test_auto_picks_triton_on_cuda_for_row_norms_only(monkeypatch):
     the kernels; CPU inputs never do under "auto"."""
     import normkit.functional as F
 
-    class OnCuda:  # (_use_triton reads only .is_cuda of the input)
+    class OnCuda:  # (_use_triton reads only .is_cuda of the input, _torch_kernels .device)
         is_cuda = True
+        device = torch.device("cuda")
 
     class OnCpu:
         is_cuda = False
+        device = torch.device("cpu")
 
     monkeypatch.setattr(tk, "available", lambda: True)
     assert F.TRITON_AUTO_OPS == {"layer_norm", "rms_norm"}
@@ -182,5 +184,6 @@ def test_auto_picks_triton_on_cuda_for_row_norms_only(monkeypatch):
     for op in ("batch_norm", "group_norm"):
         assert not F._use_triton("auto", OnCuda(), lambda: True, op)
         assert F._use_triton("triton", OnCuda(), lambda: True, op)
-    assert F._torch_on_cuda("auto", OnCuda())
-    assert not F._torch_on_cuda("auto", OnCpu()) and not F._torch_on_cuda("eager", OnCuda())
+    assert F._torch_kernels("auto", OnCuda())
+    assert not F._torch_kernels("auto", OnCpu()) and not F._torch_kernels("eager", OnCuda())
+    assert F._torch_kernels("auto", torch.empty(2, device="meta"))  # any device but the CPU

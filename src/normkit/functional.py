@@ -100,11 +100,17 @@ def _use_triton(backend: str, x: Tensor, supported, op: str) -> bool:
             and supported())
 
 
-def _torch_on_cuda(backend: str, x: Tensor) -> bool:
-    """``backend="auto"`` on a CUDA tensor that no Triton kernel serves: torch's own CUDA
-    kernel (see :data:`TRITON_AUTO_OPS`), not normkit's CPU-tuned paths, whose accuracy
-    checks read a statistic back to the host (a device sync per call)."""
-    return backend == "auto" and x.is_cuda
+def _off_cpu(x: Tensor) -> bool:
+    """Whether ``x`` lives on an accelerator (CUDA, or any device but the CPU)."""
+    return x.device.type != "cpu"
+
+
+def _torch_kernels(backend: str, x: Tensor) -> bool:
+    """``backend="auto"`` on an accelerator tensor that no Triton kernel serves: torch's
+    own kernel for the device (see :data:`TRITON_AUTO_OPS`), never normkit's CPU-tuned
+    paths, whose accuracy checks read a statistic back to the host -- a device sync per
+    call, which stalls a GPU's queue of work."""
+    return backend == "auto" and _off_cpu(x)
 
 
 def _channels_last_format(x: Tensor) -> torch.memory_format | None:
@@ -226,7 +232,7 @@ def batch_norm(
         if _use_triton(backend, input, lambda: tk.supports_batch_norm(
                 input, weight, bias, running_mean, running_var), "batch_norm"):
             return tk.batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
-        if _torch_on_cuda(backend, input):
+        if _torch_kernels(backend, input):
             return torch.nn.functional.batch_norm(input, running_mean, running_var, weight,
                                                   bias, False, momentum, eps)
         if backend == "auto" and not compiling():
@@ -247,10 +253,16 @@ def batch_norm(
     if _use_triton(backend, input, lambda: tk.supports_batch_norm(
             input, weight, bias, running_mean, running_var), "batch_norm"):
         y, mean, var = tk.batch_norm_train(input, weight, bias, eps)
-    elif _torch_on_cuda(backend, input) and (unbiased_running_var or running_var is None):
+    elif _torch_kernels(backend, input) and (unbiased_running_var or running_var is None):
         # (torch's kernel updates running_var with the unbiased variance only)
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias,
                                               True, momentum, eps)
+    elif _torch_kernels(backend, input):
+        # the biased running variance (Keras, Flax): torch's kernel without the buffers,
+        # which are updated below from its batch statistics (var = invstd^-2 - eps)
+        y, mean, invstd = torch.native_batch_norm(input, weight, bias, None, None, True, 0.0,
+                                                  eps)
+        mean, var = mean.detach(), (invstd.detach().double().pow(-2) - eps).clamp_min_(0.0)
     elif backend == "auto" and compiling() and library.serves_channels_last(input, weight,
                                                                             bias):
         # torch.compile: the channels-last paths as one operator (kernels.library)
@@ -340,6 +352,9 @@ def instance_norm(
         )
     if input.numel() == 0:
         return _empty_result(input, w, b)
+    if _torch_kernels(backend, input):
+        return torch.nn.functional.instance_norm(input, running_mean, running_var, weight,
+                                                 bias, True, momentum, eps)
     fast = None
     if backend == "auto" and not compiling():
         # NCHW: torch's GroupNorm kernel, one group per channel, where it is accurate;
@@ -423,6 +438,8 @@ def layer_norm(
         if backend == "triton":  # (checks its arguments; under "auto" supports_* did)
             return tk.layer_norm(input, shape, weight, bias, eps)
         return tk._row_norm_unchecked(input, None, weight, bias, len(shape), eps, True)
+    if _torch_kernels(backend, input):
+        return torch.nn.functional.layer_norm(input, shape, weight, bias, eps)
     if backend == "auto":
         if not compiling():
             y = native.layer_norm(input, shape, weight, bias, eps)
@@ -466,6 +483,8 @@ def rms_norm(
         if backend == "triton":  # (checks its arguments; under "auto" supports_* did)
             return tk.rms_norm(input, shape, weight, eps)
         return tk._row_norm_unchecked(input, None, weight, None, len(shape), eps, False)
+    if _torch_kernels(backend, input):
+        return torch.nn.functional.rms_norm(input, shape, weight, eps)
     if check_backend(backend) == "reference" or compiling() or not input.is_contiguous():
         # (the strided path keeps the input's memory format in the output)
         return normalize(input, dims, weight, None, eps, center=False, backend=backend)[0]
@@ -507,6 +526,8 @@ def layer_norm2d(
     w, b = affine_view(weight, view), affine_view(bias, view)
     if input.numel() == 0:
         return _empty_result(input, w, b)
+    if _torch_kernels(backend, input):
+        return _layer_norm2d_accelerator(input, weight, bias, eps)
     if backend == "auto" and not compiling():
         # channels-last (or 2D) data already has C innermost: torch's LayerNorm over the
         # last dim of the (N, *, C) view, no copies, then the view back
@@ -530,6 +551,19 @@ def layer_norm2d(
         if library.serves_layer_norm(last, weight, bias):
             return library.layer_norm(last, (input.shape[1],), weight, bias, eps).movedim(-1, 1)
     return normalize(input, (1,), w, b, eps, backend=backend)[0]
+
+
+def _layer_norm2d_accelerator(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                              eps: float) -> Tensor:
+    """LayerNorm2d on a GPU: the row norm (Triton's under ``"auto"`` where it serves,
+    else torch's) over the channels-innermost view, copied there first from NCHW and
+    back after, so the output keeps the input's memory format."""
+    last = x.movedim(1, -1)  # (N, *, C)
+    nchw = not last.is_contiguous()
+    if nchw:
+        last = last.contiguous()
+    y = layer_norm(last, (x.shape[1],), weight, bias, eps).movedim(-1, 1)
+    return y.contiguous() if nchw and x.is_contiguous() else y
 
 
 def group_norm(
@@ -583,7 +617,7 @@ def group_norm(
     if _use_triton(backend, input, lambda: tk.supports_group_norm(input, num_groups, weight,
                                                                      bias), "group_norm"):
         return tk.group_norm(input, num_groups, weight, bias, eps)
-    if _torch_on_cuda(backend, input):
+    if _torch_kernels(backend, input):
         return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
     if backend == "auto" and compiling() and library.serves_group_norm(input, weight, bias):
         # torch.compile: the eager paths below as one operator (kernels.library)

@@ -556,6 +556,12 @@ def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual
         # the kernel adds in promote(x, residual): an fp32 stream is asked for by handing
         # it an fp32 residual
         return run(x, residual if residual.dtype == res_dtype else residual.to(res_dtype))
+    if F._torch_kernels(backend, x):
+        # a GPU without a Triton kernel for it: the add, then torch's kernel
+        s = x.to(res_dtype) if residual is None else x.to(res_dtype) + residual.to(res_dtype)
+        norm = (TF.layer_norm(s, shape, weight, bias, eps) if center
+                else TF.rms_norm(s, shape, weight, eps))
+        return norm.to(x.dtype), s
     if residual is None and res_dtype == x.dtype and center:
         # nothing to add: the plain LayerNorm (torch's kernel where accurate), x passes on
         return F.layer_norm(x, shape, weight, bias, eps, backend=backend), x
@@ -1058,7 +1064,7 @@ def batch_norm_act(
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                          eps, unbiased_running_var=unbiased_running_var, backend="triton")
         return _activate(activation, y, False)
-    if memory == "standard" and F._torch_on_cuda(backend, input):
+    if memory == "standard" and F._torch_kernels(backend, input):
         # torch's CUDA BatchNorm, the activation after it (see F.TRITON_AUTO_OPS)
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                          eps, unbiased_running_var=unbiased_running_var, backend=backend)
@@ -1228,7 +1234,7 @@ def group_norm_act(
             input, int(num_groups), weight, bias, act=fused), "group_norm"):
         y = tk.group_norm(input, int(num_groups), weight, bias, eps, act=fused)
         return y if fused is not None else _activate(activation, y, False)
-    if F._torch_on_cuda(backend, input):
+    if F._torch_kernels(backend, input):
         # torch's CUDA GroupNorm, the activation after it (see F.TRITON_AUTO_OPS)
         y = F.group_norm(input, int(num_groups), weight, bias, eps, backend=backend)
         return _activate(activation, y, False)

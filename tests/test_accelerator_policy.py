@@ -1,0 +1,140 @@
+"""``backend="auto"`` on a GPU never takes normkit's CPU-tuned paths.
+
+Those paths keep torch's kernel output only after an accuracy check that reads a
+statistic back to the host (``native.well_conditioned``: one ``.item()``), and the
+channels engine is tuned for CPU caches. On a GPU that read is a device sync per call,
+which stalls the queue of work: under ``"auto"``, an accelerator input takes the Triton
+row kernels (LayerNorm/RMSNorm on CUDA) or torch's own kernel for the device.
+
+The CPU test makes every CPU tensor look like an accelerator's to the dispatch
+(``normkit.functional._off_cpu``) and forbids the sync-capable paths: each layer must
+still run forward and backward, with torch's results. The CUDA test runs the same
+layers on a GPU under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any
+implicit sync (it runs where a GPU is: ``benchmarks/gpu_check.sh``).
+"""
+
+import pytest
+import torch
+
+import normkit
+import normkit.functional as NF
+from normkit.kernels import channels, native
+
+
+def _layers():
+    """``{name: (normkit layer, torch equivalent or None, input shape, channels_last)}``."""
+    return {
+        "LayerNorm": (normkit.LayerNorm(12), torch.nn.LayerNorm(12), (4, 5, 12), False),
+        "RMSNorm": (normkit.RMSNorm(12), torch.nn.RMSNorm(12), (4, 5, 12), False),
+        "LayerNorm2d-nchw": (normkit.LayerNorm2d(6), None, (4, 6, 3, 5), False),
+        "LayerNorm2d-nhwc": (normkit.LayerNorm2d(6), None, (4, 6, 3, 5), True),
+        "InstanceNorm2d": (normkit.InstanceNorm2d(6, affine=True, track_running_stats=True),
+                           torch.nn.InstanceNorm2d(6, affine=True, track_running_stats=True),
+                           (4, 6, 3, 5), False),
+        "BatchNorm2d": (normkit.BatchNorm2d(6), torch.nn.BatchNorm2d(6), (4, 6, 3, 5), True),
+        "BatchNorm2d-biased": (normkit.BatchNorm2d(6, unbiased_running_var=False), None,
+                               (4, 6, 3, 5), False),
+        "BatchNorm2d-eval": (normkit.BatchNorm2d(6).eval(), torch.nn.BatchNorm2d(6).eval(),
+                             (4, 6, 3, 5), False),
+        "GroupNorm": (normkit.GroupNorm(3, 6), torch.nn.GroupNorm(3, 6), (4, 6, 3, 5), True),
+        "BatchNormAct2d": (normkit.BatchNormAct2d(6, act="relu"),
+                           torch.nn.Sequential(torch.nn.BatchNorm2d(6), torch.nn.ReLU()),
+                           (4, 6, 3, 5), False),
+        "GroupNormAct": (normkit.GroupNormAct(3, 6, act="silu"),
+                         torch.nn.Sequential(torch.nn.GroupNorm(3, 6), torch.nn.SiLU()),
+                         (4, 6, 3, 5), False),
+        "AddLayerNorm": (normkit.AddLayerNorm(12), None, (4, 5, 12), False),
+        "AddRMSNorm": (normkit.AddRMSNorm(12), None, (4, 5, 12), False),
+    }
+
+
+def _run(layer, x):
+    """Forward (an add op gets ``x`` as the residual too) and backward."""
+    out = layer(x, x * 0.5) if isinstance(layer, (normkit.AddLayerNorm, normkit.AddRMSNorm)) \
+        else layer(x)
+    y = out[0] if isinstance(out, tuple) else out
+    y.backward(torch.ones_like(y))
+    return out
+
+
+def _input(shape, channels_last, device="cpu"):
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=device) * 2.0 + 3.0
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x.requires_grad_()
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """Every tensor looks like an accelerator's to the dispatch; the CPU-tuned paths
+    that could sync raise if reached."""
+    def forbidden(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"{name} reached on an accelerator input under 'auto'")
+        return call
+
+    monkeypatch.setattr(NF, "_off_cpu", lambda x: True)
+    monkeypatch.setattr(native, "well_conditioned", forbidden("native.well_conditioned"))
+    monkeypatch.setattr(channels, "well_conditioned", forbidden("channels.well_conditioned"))
+    monkeypatch.setattr(channels, "normalize", forbidden("channels.normalize"))
+    monkeypatch.setattr(channels, "moments", forbidden("channels.moments"))
+
+
+@pytest.mark.parametrize("name", list(_layers()))
+def test_accelerator_inputs_take_torch_or_triton_kernels(name, as_on_a_gpu):
+    """Forward and backward run without the forbidden paths; where torch has the same
+    layer, output, input gradient and running statistics equal torch's."""
+    layer, twin, shape, channels_last = _layers()[name]
+    norm = twin[0] if isinstance(twin, torch.nn.Sequential) else twin  # (norm, then act)
+    if twin is not None:
+        norm.load_state_dict(layer.state_dict())  # (the same start)
+    x = _input(shape, channels_last)
+    out = _run(layer, x)
+    y = out[0] if isinstance(out, tuple) else out
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    if name == "LayerNorm2d-nhwc":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    if name == "LayerNorm2d-nchw":
+        assert y.is_contiguous()
+    if twin is None:
+        return
+    x_twin = _input(shape, channels_last)
+    torch.testing.assert_close(y, _run(twin, x_twin))
+    torch.testing.assert_close(x.grad, x_twin.grad)
+    for key, value in norm.state_dict().items():
+        if "running" in key:
+            torch.testing.assert_close(layer.state_dict()[key], value)
+
+
+def test_biased_running_variance_on_an_accelerator(as_on_a_gpu):
+    """unbiased_running_var=False on a GPU: torch's kernel normalizes, the running
+    variance receives the biased batch variance (from its inverse std), as on the CPU."""
+    layer = normkit.BatchNorm2d(6, unbiased_running_var=False, momentum=1.0)
+    x = _input((4, 6, 3, 5), False)
+    y = layer(x)
+    want = torch.nn.functional.batch_norm(x.detach(), None, None, training=True)
+    torch.testing.assert_close(y, want)
+    dims = (0, 2, 3)
+    torch.testing.assert_close(layer.running_mean, x.detach().mean(dims))
+    torch.testing.assert_close(layer.running_var, x.detach().var(dims, unbiased=False),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", list(_layers()))
+def test_no_device_sync_under_auto_on_cuda(name):
+    """On a GPU, forward and backward of every layer under "auto" never sync."""
+    layer, _, shape, channels_last = _layers()[name]
+    layer = layer.cuda()
+    x = _input(shape, channels_last, device="cuda")
+    _run(layer, x)  # (first call: Triton compiles, allocator warms up)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _run(layer, x)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
