@@ -45,6 +45,12 @@ def _layers():
                          (4, 6, 3, 5), False),
         "AddLayerNorm": (normkit.AddLayerNorm(12), None, (4, 5, 12), False),
         "AddRMSNorm": (normkit.AddRMSNorm(12), None, (4, 5, 12), False),
+        "FrozenBatchNorm2d": (normkit.FrozenBatchNorm2d(6), None, (4, 6, 3, 5), False),
+        "BatchRenorm2d": (normkit.BatchRenorm2d(6), None, (4, 6, 3, 5), False),
+        "MeanOnlyBatchNorm2d": (normkit.MeanOnlyBatchNorm2d(6), None, (4, 6, 3, 5), False),
+        "BatchNorm1d": (normkit.BatchNorm1d(12), torch.nn.BatchNorm1d(12), (8, 12), False),
+        "InstanceNorm1d": (normkit.InstanceNorm1d(5), torch.nn.InstanceNorm1d(5), (4, 5, 12),
+                           False),
     }
 
 
