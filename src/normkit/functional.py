@@ -81,7 +81,8 @@ def _small_rows(x: Tensor, backend: str, *params: Tensor | None) -> bool:
 #: norm + ReLU, 32x64x56x56) nothing hides it: normkit's BatchNorm made the step 4.1x
 #: slower and its GroupNorm 1.9x. So BatchNorm and GroupNorm (and the fused ops built on
 #: them) run torch's CUDA kernels under ``"auto"``, and their Triton kernels only with
-#: ``backend="triton"``.
+#: ``backend="triton"``. Every layer that no Triton kernel serves on a GPU runs torch's
+#: kernel for the device there (:func:`_torch_kernels`), never normkit's CPU paths.
 TRITON_AUTO_OPS = frozenset({"layer_norm", "rms_norm"})
 
 
