@@ -221,8 +221,8 @@ def batch_norm(
         raise ValueError(f"{who} eps must be positive during training, but got {eps}")
     if eps < 0.0:
         raise ValueError(f"{who} eps must be non-negative, but got {eps}")
-    view = _channel_view(input)
-    w, b = affine_view(weight, view), affine_view(bias, view)
+    # (the broadcastable views of the per-channel tensors are made where they are used:
+    # each costs host time, which torch's GPU kernels below do not need)
     if not training:
         if running_mean is None or running_var is None:
             raise ValueError(
@@ -240,7 +240,9 @@ def batch_norm(
             y = native.batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
             if y is not None:
                 return y
-        return scale_shift(input, running_mean.view(view), running_var.view(view), w, b, eps)
+        view = _channel_view(input)
+        return scale_shift(input, running_mean.view(view), running_var.view(view),
+                           affine_view(weight, view), affine_view(bias, view), eps)
     dims = (0, *range(2, input.dim()))
     count = _stats.reduced_count(input.shape, dims)
     if count == 1:
@@ -249,8 +251,9 @@ def batch_norm(
             f"{shape_str(input)} (batch statistics of a single value are undefined; use "
             "a larger batch, or eval mode)"
         )
+    view = _channel_view(input)
     if input.numel() == 0:
-        return _empty_result(input, w, b)
+        return _empty_result(input, affine_view(weight, view), affine_view(bias, view))
     if _use_triton(backend, input, lambda: tk.supports_batch_norm(
             input, weight, bias, running_mean, running_var), "batch_norm"):
         y, mean, var = tk.batch_norm_train(input, weight, bias, eps)
@@ -284,7 +287,8 @@ def batch_norm(
                                             momentum, eps)
                 if y is not None:
                     return y
-            y, mean, var = normalize(input, dims, w, b, eps, backend=backend)
+            y, mean, var = normalize(input, dims, affine_view(weight, view),
+                                     affine_view(bias, view), eps, backend=backend)
     if running_mean is not None:
         _stats.update_running_(running_mean, mean.view(-1), momentum)
     if running_var is not None:
@@ -609,17 +613,18 @@ def group_norm(
             f"Expected more than 1 value per group, got input size {shape_str(input)} "
             f"with num_groups={num_groups}"
         )
+    if input.numel() > 0:  # (torch's GPU kernels first: they need none of the views below)
+        if _use_triton(backend, input, lambda: tk.supports_group_norm(
+                input, num_groups, weight, bias), "group_norm"):
+            return tk.group_norm(input, num_groups, weight, bias, eps)
+        if _torch_kernels(backend, input):
+            return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
     # (N, G, C/G, *): a view for any strides, channels_last included
     grouped = input.unflatten(1, (num_groups, channels // num_groups))
     pview = (1, num_groups, channels // num_groups) + (1,) * (input.dim() - 2)
     w, b = affine_view(weight, pview), affine_view(bias, pview)
     if input.numel() == 0:
         return _empty_result(grouped, w, b).reshape(input.shape)
-    if _use_triton(backend, input, lambda: tk.supports_group_norm(input, num_groups, weight,
-                                                                     bias), "group_norm"):
-        return tk.group_norm(input, num_groups, weight, bias, eps)
-    if _torch_kernels(backend, input):
-        return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
     if backend == "auto" and compiling() and library.serves_group_norm(input, weight, bias):
         # torch.compile: the eager paths below as one operator (kernels.library)
         return library.group_norm(input, num_groups, weight, bias, eps)

@@ -1235,8 +1235,9 @@ def group_norm_act(
         y = tk.group_norm(input, int(num_groups), weight, bias, eps, act=fused)
         return y if fused is not None else _activate(activation, y, False)
     if F._torch_kernels(backend, input):
-        # torch's CUDA GroupNorm, the activation after it (see F.TRITON_AUTO_OPS)
-        y = F.group_norm(input, int(num_groups), weight, bias, eps, backend=backend)
+        # torch's CUDA GroupNorm (the arguments are checked above), the activation after
+        # it (see F.TRITON_AUTO_OPS)
+        y = TF.group_norm(input, int(num_groups), weight, bias, eps)
         return _activate(activation, y, False)
     per_group = input.numel() // (input.shape[0] * num_groups)
     if per_group == 1:
