@@ -3,9 +3,10 @@ without the host, and a profile. Run on a CUDA machine (the device tool's H200):
 
     PYTHONPATH=src python3 benchmarks/gpu_overhead.py [STEP ...] > overhead.txt
 
-(steps: precision, accuracy, host_table, gpu_table, tuning, profiles; default all)
+(steps: precision, accuracy, host_table, gpu_table, tuning, direct_launch, profiles;
+default all)
 
-Four tables, the first two beside torch eager (and Liger-Kernel where it imports):
+Five tables, the first two beside torch eager (and Liger-Kernel where it imports):
 
 1. **host us/call**: wall time per call of a loop that never synchronizes, on inputs so
    small that the GPU finishes each call before the next is issued: what Python, the
@@ -16,7 +17,9 @@ Four tables, the first two beside torch eager (and Liger-Kernel where it imports
    replays the same buffers, so what fits in the 60 MB L2 is warm).
 3. **tuning**: the kernel time of the two launch parameters not tuned yet
    (``_ops.ROW_BWD_PROGRAMS_PER_SM``, ``_ops.BN_CHUNKS_PER_SM``) over candidate values.
-4. **cProfile** of normkit's LayerNorm and BatchNorm forward+backward on CUDA.
+4. **direct launch**: a compiled kernel called through its launcher, bypassing
+   ``JITFunction.run``: same output? host us?
+5. **cProfile** of normkit's LayerNorm and BatchNorm forward+backward on CUDA.
 
 Before them: the single-block LayerNorm's statistics at a mean of 1e4 (the H200 run
 found them off with FMA contraction on), and the float32 accuracy of torch's CUDA
@@ -231,6 +234,48 @@ def gpu_table() -> None:
               rows, graph_us)
 
 
+def direct_launch() -> None:
+    """Whether calling a compiled kernel's launcher directly (``CompiledKernel[grid]``,
+    bypassing ``JITFunction.run``: binding, specialization key, cache lookup) gives the
+    same output for less host time: the experiment before any library code relies on
+    Triton's private API. Tries the argument conventions of the Triton releases (every
+    parameter in order, constexprs included, as 3.3+ pass them; or only the runtime
+    ones, as 3.0-3.2 did) and reports each: error, equal output or not, host us."""
+    if DEV != "cuda":
+        print("\n(direct_launch skipped: not on CUDA)")
+        return
+    from normkit.kernels.triton import _kernels as K
+
+    print("\n## Direct launch of a compiled kernel (_row_fwd, 64 x 256)\n")
+    x = torch.randn(64, 256, device=DEV)
+    w, b = torch.randn(256, device=DEV), torch.randn(256, device=DEV)
+    y = torch.empty_like(x)
+    stats = [torch.empty(64, device=DEV) for _ in range(3)]
+    args = (x, x, x, y, w, b, *stats, 256, 256, 256, 256, 256, 1.0 / 256, 1e-5)
+    flags = dict(CENTER=True, HAS_RES=False, HAS_W=True, HAS_B=True, SINGLE=True, BLOCK=256)
+    launch = dict(num_warps=1, **_ops.COMPILE_OPTIONS)
+    compiled = K._row_fwd[(64,)](*args, **flags, **launch)
+    torch.cuda.synchronize()
+    want = y.clone()
+    runtime = dict(zip([p.name for p in K._row_fwd.params if not p.is_constexpr], args,
+                       strict=True))
+    every = [runtime[p.name] if not p.is_constexpr else flags[p.name]
+             for p in K._row_fwd.params]
+    print(f"JITFunction launch: {host_us(lambda: K._row_fwd[(64,)](*args, **flags, **launch)):.1f}"
+          f" us host; returned {type(compiled).__name__}")
+    for name, call_args in (("every parameter", every), ("runtime parameters", list(args))):
+        try:
+            runner = compiled[(64, 1, 1)]
+            y.zero_()
+            runner(*call_args)
+            torch.cuda.synchronize()
+            same = torch.equal(y, want)
+            print(f"direct, {name}: output {'equal' if same else 'DIFFERENT'}, "
+                  f"{host_us(functools.partial(runner, *call_args)):.1f} us host")
+        except Exception as e:  # noqa: BLE001 - the experiment reports, it does not stop
+            print(f"direct, {name}: {type(e).__name__}: {str(e)[:200]}")
+
+
 def tuning() -> None:
     """Kernel time (CUDA graphs) of the two untuned launch parameters over candidate
     values: ``_ops.ROW_BWD_PROGRAMS_PER_SM`` (LayerNorm backward, 4096 rows) and
@@ -392,7 +437,7 @@ if __name__ == "__main__":
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name() if DEV == 'cuda' else DEV}")
     steps = {f.__name__: f for f in (precision, accuracy, host_table, gpu_table, tuning,
-                                     profiles)}
+                                     direct_launch, profiles)}
     unknown = [name for name in sys.argv[1:] if name not in steps]
     if unknown:
         sys.exit(f"unknown step(s) {unknown}: expected some of {list(steps)}")
