@@ -8,8 +8,9 @@
 #   steps.log        torch, triton, CUDA and the device; the wheel installs; then the
 #                    output of both bench runs
 #   overhead.txt     benchmarks/gpu_overhead.py: host us per call, kernel time under CUDA
-#                    graphs, a sweep of the two untuned launch parameters, a profile, and
-#                    torch's CUDA accuracy at offsets
+#                    graphs, a sweep of the two untuned launch parameters, a direct-launch
+#                    experiment, a profile, and torch's CUDA accuracy at offsets; then
+#                    benchmarks/gpu_step.py: whole training steps (MLP, conv, LSTM)
 #   results-gpu.json, RESULTS-gpu.md   the table for benchmarks/RESULTS.md
 #   results-gpu-widths.json, RESULTS-gpu-widths.md   LayerNorm/RMSNorm and their add ops
 #                    at 4096 rows of width 256 to 16384 (issue 6: fwd+bwd >= torch eager
@@ -25,7 +26,7 @@
 # Needs a python3 with a CUDA build of torch, triton, pytest, hypothesis and numpy (the
 # device machine's image has them); normkit runs from src/ without installing. Each
 # step has its own time limit (a bench stopped by it still writes the passes it measured,
-# marked interrupted), so the whole run ends within ~8 minutes; on the H200 of
+# marked interrupted), so the whole run ends within ~9 minutes; on the H200 of
 # 2026-11-30 it took about 3 (H200 HBM3e peak, for the % of peak: 4.8 TB/s; steps.log
 # has nvidia-smi's clocks and memory):
 #   bash benchmarks/gpu_check.sh            (on the GPU machine, from the repo root)
@@ -127,6 +128,16 @@ else  # (the interpreter is slow: rehearse the first step only)
 fi
 code=$?; echo "overhead: exit $code ($out/overhead.txt)"
 [ "$code" = 0 ] || failed="$failed overhead"
+
+# whole training steps (MLP, conv and LSTM stacks), appended to overhead.txt
+echo "== benchmarks/gpu_step.py" >> "$out/overhead.txt"
+if [ "$device" = cuda ]; then
+    timeout -k 15 60 "$python" benchmarks/gpu_step.py >> "$out/overhead.txt" 2>&1
+else
+    NORMKIT_STEP_DEVICE=cpu "$python" benchmarks/gpu_step.py >> "$out/overhead.txt" 2>&1
+fi
+code=$?; echo "steps: exit $code ($out/overhead.txt)"
+[ "$code" = 0 ] || failed="$failed steps"
 
 "$python" -m normkit bench --summarize "$out/results-gpu.json" "$out/results-gpu-widths.json" \
     > "$out/targets-gpu.md" 2>&1

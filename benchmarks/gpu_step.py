@@ -5,7 +5,14 @@ step of two small networks on CUDA, with torch's normalization layers and with n
 * a pre-norm MLP stack: ``depth`` blocks of LayerNorm -> Linear(d, 4d) -> GELU ->
   Linear(4d, d) with a residual, on ``tokens x d`` float32 activations;
 * a conv stack: ``depth`` blocks of Conv3x3 -> BatchNorm2d (or GroupNorm) -> ReLU on
-  ``N x C x H x W`` channels_last activations.
+  ``N x C x H x W`` channels_last activations;
+* a LayerNorm LSTM (Ba et al. 2016): per time step three LayerNorms on ``batch x 4H``
+  gates and ``batch x H`` cells, small launches one after another.
+
+Rows marked "torch row kernels" run normkit's layers with
+``normkit.functional.TRITON_AUTO_OPS`` emptied, so that ``"auto"`` hands LayerNorm/
+RMSNorm on CUDA to torch's kernels too: the policy alternative, measured beside the
+Triton default.
 
 Matrix products and convolutions run in TF32.
 
@@ -18,6 +25,7 @@ issues kernels ahead of the GPU) or not. One machine, one run: figures to read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -26,6 +34,7 @@ import torch
 from torch import nn
 
 import normkit
+import normkit.functional as NF
 
 DEV = os.environ.get("NORMKIT_STEP_DEVICE", "cuda")
 BIG = DEV == "cuda"
@@ -54,6 +63,28 @@ def convnet(c: int, depth: int, layer) -> nn.Module:
     for _ in range(depth):
         mods += [nn.Conv2d(c, c, 3, padding=1, bias=False), layer(c), nn.ReLU()]
     return nn.Sequential(*mods).to(DEV).to(memory_format=torch.channels_last)
+
+
+class LSTMLoss(nn.Module):
+    """The output sequence of an LSTM (torch's or normkit's), for the step's loss."""
+
+    def __init__(self, lstm: nn.Module) -> None:
+        super().__init__()
+        self.lstm = lstm
+
+    def forward(self, x):
+        return self.lstm(x)[0]
+
+
+@contextlib.contextmanager
+def torch_row_kernels():
+    """``"auto"`` hands LayerNorm/RMSNorm on CUDA to torch's kernels while inside."""
+    saved = NF.TRITON_AUTO_OPS
+    NF.TRITON_AUTO_OPS = frozenset()
+    try:
+        yield
+    finally:
+        NF.TRITON_AUTO_OPS = saved
 
 
 def step_ms(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float]:
@@ -90,13 +121,21 @@ def main() -> None:
     steps = 20 if BIG else 2
     x_rows = torch.randn(tokens, d, device=DEV)
     x_img = torch.randn(n, c, hw, hw, device=DEV).contiguous(memory_format=torch.channels_last)
+    seq, batch, hidden = (64, 32, 512) if BIG else (3, 2, 8)
+    x_seq = torch.randn(seq, batch, hidden, device=DEV)
+    lstm = {"torch.nn.LSTM (no LayerNorm)": lambda: nn.LSTM(hidden, hidden),
+            "normkit.LayerNormLSTM": lambda: normkit.LayerNormLSTM(hidden, hidden),
+            "normkit.LayerNormLSTM, torch row kernels":
+                lambda: normkit.LayerNormLSTM(hidden, hidden)}
     cases = [
         (f"MLP stack {depth} x [LayerNorm, Linear {d}->{4 * d}->{d}], {tokens} tokens",
          x_rows, lambda layer: mlp(d, depth, layer),
-         {"torch.nn.LayerNorm": nn.LayerNorm, "normkit.LayerNorm": normkit.LayerNorm}),
+         {"torch.nn.LayerNorm": nn.LayerNorm, "normkit.LayerNorm": normkit.LayerNorm,
+          "normkit.LayerNorm, torch row kernels": normkit.LayerNorm}),
         (f"MLP stack {depth} x [RMSNorm, ...], {tokens} tokens",
          x_rows, lambda layer: mlp(d, depth, layer),
-         {"torch.nn.RMSNorm": nn.RMSNorm, "normkit.RMSNorm": normkit.RMSNorm}),
+         {"torch.nn.RMSNorm": nn.RMSNorm, "normkit.RMSNorm": normkit.RMSNorm,
+          "normkit.RMSNorm, torch row kernels": normkit.RMSNorm}),
         (f"Conv stack {depth} x [Conv3x3 {c}, BatchNorm2d, ReLU], {n}x{c}x{hw}x{hw} NHWC",
          x_img, lambda layer: convnet(c, depth, layer),
          {"torch.nn.BatchNorm2d": nn.BatchNorm2d, "normkit.BatchNorm2d": normkit.BatchNorm2d}),
@@ -104,6 +143,8 @@ def main() -> None:
          x_img, lambda layer: convnet(c, depth, layer),
          {"torch.nn.GroupNorm": lambda ch: nn.GroupNorm(min(32, ch), ch),
           "normkit.GroupNorm": lambda ch: normkit.GroupNorm(min(32, ch), ch)}),
+        (f"LSTM {hidden} -> {hidden}, {seq} steps x batch {batch}", x_seq,
+         lambda layer: LSTMLoss(layer()).to(DEV), lstm),
     ]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if BIG else DEV}; "
           f"median of {steps} steps after 3 warm-up steps\n")
@@ -113,7 +154,10 @@ def main() -> None:
         base = None
         for name, layer in layers.items():
             torch.manual_seed(0)
-            ms, host = step_ms(build(layer), x, steps)
+            policy = torch_row_kernels() if "torch row kernels" in name else \
+                contextlib.nullcontext()
+            with policy:
+                ms, host = step_ms(build(layer), x, steps)
             base = base or ms
             print(f"| {title} | {name} | {ms:.2f} | {host:.2f} | {base / ms:.2f}x |",
                   flush=True)
