@@ -154,16 +154,18 @@ def _row_config(n: int, block: int | None) -> tuple[int, bool]:
 def rows_forward(x: Tensor, residual: Tensor | None, weight: Tensor | None,
                  bias: Tensor | None, n: int, eps: float, center: bool, block: int | None):
     """``(y, h, mean_hi, mean_lo, rstd)``: y and h (``x + residual`` or None) contiguous in
-    ``x``'s shape, the statistics float32 ``(M,)`` for the ``M = x.numel() / n`` rows."""
+    ``x``'s shape, the statistics float32 ``(M,)`` for the ``M = x.numel() / n`` rows
+    (RMSNorm has no mean: ``mean_hi`` and ``mean_lo`` are None)."""
     x2, stride_x = _rows(x, n)
     m = x.numel() // n
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    # (three tensors, not views of one: they are separate outputs of the operator; RMSNorm
-    # has no mean, its pair is zeros rather than uninitialized memory)
-    stat = torch.empty if center else torch.zeros
-    mean_hi = stat(m, dtype=torch.float32, device=x.device)
-    mean_lo = stat(m, dtype=torch.float32, device=x.device)
+    # (three tensors, not views of one: they are separate outputs of the operator)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    mean_hi = mean_lo = None
+    if center:
+        mean_hi = torch.empty(m, dtype=torch.float32, device=x.device)
+        mean_lo = torch.empty(m, dtype=torch.float32, device=x.device)
+    means = (rstd, rstd) if mean_hi is None else (mean_hi, mean_lo)  # (unread by RMSNorm)
     r2, stride_r = x2, stride_x
     h = None
     if residual is not None:
@@ -176,12 +178,12 @@ def rows_forward(x: Tensor, residual: Tensor | None, weight: Tensor | None,
     warps = _warps(size)
     with _on_device(x):
         if not single:
-            _launch(K._row_stats, m, (x2, r2, h_, mean_hi, mean_lo, rstd, stride_x, stride_r, n,
-                                      n, 1.0 / n, eps),
+            _launch(K._row_stats, m, (x2, r2, h_, *means, rstd, stride_x, stride_r, n, n,
+                                      1.0 / n, eps),
                     warps, CENTER=center, HAS_RES=has_res, BLOCK=size)
         _launch(K._row_fwd, m, (x2, r2, h_, y, x2 if weight is None else weight,
-                                x2 if bias is None else bias, mean_hi, mean_lo, rstd, stride_x,
-                                stride_r, n, n, n, 1.0 / n, eps),
+                                x2 if bias is None else bias, *means, rstd, stride_x, stride_r,
+                                n, n, n, 1.0 / n, eps),
                 warps, CENTER=center, HAS_RES=has_res, HAS_W=weight is not None,
                 HAS_B=bias is not None, SINGLE=single, BLOCK=size)
     return y, h, mean_hi, mean_lo, rstd
@@ -192,7 +194,9 @@ def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | N
                   block: int | None, x_dtype: torch.dtype, r_dtype: torch.dtype | None,
                   need_w: bool, need_b: bool):
     """``(dx, dr, dw, db)``: dx and dr (or None) contiguous in ``src``'s shape, dw and db
-    float32 ``(n,)`` or None."""
+    float32 ``(n,)`` or None. RMSNorm's ``mean_hi``/``mean_lo`` may be None (or empty)."""
+    if not center:
+        mean_hi = mean_lo = rstd  # (pointers the kernels do not read without centering)
     s2, stride_s = _rows(src, n)
     dy2, stride_dy = _rows(dy, n)
     dh2, stride_dh = (s2, stride_s) if dh is None else _rows(dh, n)
@@ -668,7 +672,8 @@ def _none_as_empty(t: Tensor | None, like: Tensor) -> Tensor:
 def _rows_fwd(x, residual, weight, bias, n, eps, center, block):
     y, h, mean_hi, mean_lo, rstd = rows_forward(x, residual, weight, bias, n, eps, center,
                                                 block)
-    return y, _none_as_empty(h, y), mean_hi, mean_lo, rstd
+    return (y, _none_as_empty(h, y), _none_as_empty(mean_hi, rstd),
+            _none_as_empty(mean_lo, rstd), rstd)
 
 
 def _rows_fwd_fake(x, residual, weight, bias, n, eps, center, block):
@@ -676,7 +681,9 @@ def _rows_fwd_fake(x, residual, weight, bias, n, eps, center, block):
     y = x.new_empty(x.shape)
     h = (y.new_empty(0) if residual is None
          else x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
-    return (y, h, *(x.new_empty(m, dtype=torch.float32) for _ in range(3)))
+    f32 = dict(dtype=torch.float32)
+    return (y, h, x.new_empty(m if center else 0, **f32), x.new_empty(m if center else 0, **f32),
+            x.new_empty(m, **f32))
 
 
 def _rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center, block, x_dtype,
