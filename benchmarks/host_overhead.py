@@ -33,6 +33,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first importe
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gpu_overhead import fwd_bwd  # noqa: E402  (benchmarks/, this script's folder)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from normkit.kernels import triton as tk  # noqa: E402
@@ -73,14 +74,6 @@ def host_us(ours, theirs, number: int = 200, rounds: int = 15) -> tuple[float, f
             out.append((time.perf_counter() - begin) / number * 1e6)
     ratios = [a / b for a, b in zip(*times, strict=True)]
     return statistics.median(times[0]), statistics.median(times[1]), statistics.median(ratios)
-
-
-def fwd_bwd(fn, *leaves):
-    def run():
-        y = fn()
-        y = y[0] if isinstance(y, tuple) else y
-        torch.autograd.grad(y, leaves, torch.ones_like(y))
-    return run
 
 
 def cases() -> dict[str, tuple]:

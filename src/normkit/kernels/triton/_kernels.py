@@ -533,6 +533,20 @@ def _bn_stats(
 
 
 @_jit
+def _bn_parts(PMEAN_HI, PMEAN_LO, k0, c, cmask, C, chunks, last, rows_per_program,
+              BLOCK_K: tl.constexpr):
+    """Chunks ``k0 .. k0 + BLOCK_K`` of the partials for channels ``c``: their counts,
+    their means in float64, the offsets and the mask of the ``[BLOCK_K, BLOCK_C]`` tile."""
+    k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    mask = (k < chunks)[:, None] & cmask[None, :]
+    count = tl.where(k == chunks - 1, last, rows_per_program).to(tl.float64)
+    off = k[:, None] * C + c[None, :]
+    m = (tl.load(PMEAN_HI + off, mask=mask, other=0.0).to(tl.float64)
+         + tl.load(PMEAN_LO + off, mask=mask, other=0.0).to(tl.float64))
+    return count, m, off, mask
+
+
+@_jit
 def _bn_merge(
     PMEAN_HI, PMEAN_LO, PM2, MEAN_HI, MEAN_LO, VAR, RSTD,
     C, R, chunks, rows_per_program, eps,
@@ -550,22 +564,15 @@ def _bn_merge(
     last = R - rows_per_program * (chunks - 1)
     acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float64)
     for k0 in range(0, chunks, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        mask = (k < chunks)[:, None] & cmask[None, :]
-        count = tl.where(k == chunks - 1, last, rows_per_program).to(tl.float64)
-        off = k[:, None] * C + c[None, :]
-        m = (tl.load(PMEAN_HI + off, mask=mask, other=0.0).to(tl.float64)
-             + tl.load(PMEAN_LO + off, mask=mask, other=0.0).to(tl.float64))
+        count, m, off, mask = _bn_parts(PMEAN_HI, PMEAN_LO, k0, c, cmask, C, chunks, last,
+                                        rows_per_program, BLOCK_K)
         acc += tl.where(mask, count[:, None] * m, 0.0)
     mean = tl.sum(acc, axis=0) / R
     acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float64)
     for k0 in range(0, chunks, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        mask = (k < chunks)[:, None] & cmask[None, :]
-        count = tl.where(k == chunks - 1, last, rows_per_program).to(tl.float64)
-        off = k[:, None] * C + c[None, :]
-        d = (tl.load(PMEAN_HI + off, mask=mask, other=0.0).to(tl.float64)
-             + tl.load(PMEAN_LO + off, mask=mask, other=0.0).to(tl.float64)) - mean[None, :]
+        count, m, off, mask = _bn_parts(PMEAN_HI, PMEAN_LO, k0, c, cmask, C, chunks, last,
+                                        rows_per_program, BLOCK_K)
+        d = m - mean[None, :]
         m2 = tl.load(PM2 + off, mask=mask, other=0.0).to(tl.float64)
         acc += tl.where(mask, m2 + count[:, None] * d * d, 0.0)
     var = tl.sum(acc, axis=0) / R
