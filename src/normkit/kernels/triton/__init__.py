@@ -392,7 +392,6 @@ def _row_norm_unchecked(x: Tensor, residual: Tensor | None, weight: Tensor | Non
     from . import _ops
 
     eps = float(eps)
-
     if _ops.records_graph(x, residual, weight, bias):
         return _ops.RowNormFunction.apply(x, residual, weight, bias, ndim, eps, center, block)
     n = x.shape[x.dim() - ndim:].numel()
