@@ -340,14 +340,14 @@ def instance_norm(
     _check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
                        weight=weight, bias=bias)
     view = _channel_view(input)
-    w, b = affine_view(weight, view), affine_view(bias, view)
     if not use_input_stats:
         if running_mean is None or running_var is None:
             raise ValueError(
                 f"{who} expected running_mean and running_var when use_input_stats=False, "
                 "got None"
             )
-        return scale_shift(input, running_mean.view(view), running_var.view(view), w, b, eps)
+        return scale_shift(input, running_mean.view(view), running_var.view(view),
+                           affine_view(weight, view), affine_view(bias, view), eps)
     dims = tuple(range(2, input.dim()))
     count = _stats.reduced_count(input.shape, dims)
     if count == 1:
@@ -356,7 +356,7 @@ def instance_norm(
             f"{shape_str(input)}"
         )
     if input.numel() == 0:
-        return _empty_result(input, w, b)
+        return _empty_result(input, affine_view(weight, view), affine_view(bias, view))
     if _torch_kernels(backend, input):
         return torch.nn.functional.instance_norm(input, running_mean, running_var, weight,
                                                  bias, True, momentum, eps)
@@ -364,7 +364,8 @@ def instance_norm(
     if backend == "auto" and not compiling():
         # NCHW: torch's GroupNorm kernel, one group per channel, where it is accurate;
         # channels-last (or past that bound): the slice-sums engine
-        fast = native.instance_norm(input, weight, bias, eps)
+        stats = running_mean is not None or running_var is not None
+        fast = native.instance_norm(input, weight, bias, eps, stats)
         if fast is None:
             fast = channels.normalize(input, weight, bias, channels.Pool("instance"), eps,
                                       _reference(dims, view, eps))
@@ -372,11 +373,11 @@ def instance_norm(
         if fast is None and layout is not None and input.numel() < channels.MIN_ELEMENTS:
             # small channels-last input: that kernel on an NCHW copy (1.2-2x faster
             # fwd+bwd than the compensated path below the engine's size floor)
-            fast = native.instance_norm(input.contiguous(), weight, bias, eps)
+            fast = native.instance_norm(input.contiguous(), weight, bias, eps, stats)
             if fast is not None:
                 fast = (fast[0].contiguous(memory_format=layout), *fast[1:])
-    y, mean, var = fast if fast is not None else normalize(input, dims, w, b, eps,
-                                                           backend=backend)
+    y, mean, var = fast if fast is not None else normalize(
+        input, dims, affine_view(weight, view), affine_view(bias, view), eps, backend=backend)
     n, c = input.shape[:2]
     if running_mean is not None:
         _stats.update_running_(running_mean, mean.view(n, c).mean(0), momentum)
@@ -528,9 +529,8 @@ def layer_norm2d(
     _check_channels_first(input, who)
     _check_per_channel(input, who, weight=weight, bias=bias)
     view = _channel_view(input)
-    w, b = affine_view(weight, view), affine_view(bias, view)
     if input.numel() == 0:
-        return _empty_result(input, w, b)
+        return _empty_result(input, affine_view(weight, view), affine_view(bias, view))
     if _torch_kernels(backend, input):
         return _layer_norm2d_accelerator(input, weight, bias, eps)
     if backend == "auto" and not compiling():
@@ -555,7 +555,8 @@ def layer_norm2d(
         last = input.movedim(1, -1)  # torch.compile: channels-last input, one operator
         if library.serves_layer_norm(last, weight, bias):
             return library.layer_norm(last, (input.shape[1],), weight, bias, eps).movedim(-1, 1)
-    return normalize(input, (1,), w, b, eps, backend=backend)[0]
+    return normalize(input, (1,), affine_view(weight, view), affine_view(bias, view), eps,
+                     backend=backend)[0]
 
 
 def _layer_norm2d_accelerator(x: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -619,12 +620,13 @@ def group_norm(
             return tk.group_norm(input, num_groups, weight, bias, eps)
         if _torch_kernels(backend, input):
             return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
-    # (N, G, C/G, *): a view for any strides, channels_last included
-    grouped = input.unflatten(1, (num_groups, channels // num_groups))
+    # (N, G, C/G, *): a view for any strides, channels_last included; with the affine
+    # views, made only for the paths that use them (each costs host time)
     pview = (1, num_groups, channels // num_groups) + (1,) * (input.dim() - 2)
-    w, b = affine_view(weight, pview), affine_view(bias, pview)
     if input.numel() == 0:
-        return _empty_result(grouped, w, b).reshape(input.shape)
+        grouped = input.unflatten(1, (num_groups, channels // num_groups))
+        return _empty_result(grouped, affine_view(weight, pview),
+                             affine_view(bias, pview)).reshape(input.shape)
     if backend == "auto" and compiling() and library.serves_group_norm(input, weight, bias):
         # torch.compile: the eager paths below as one operator (kernels.library)
         return library.group_norm(input, num_groups, weight, bias, eps)
@@ -642,8 +644,10 @@ def group_norm(
         y = native.group_norm(input, num_groups, weight, bias, eps)
         if y is not None:
             return y
+    grouped = input.unflatten(1, (num_groups, channels // num_groups))
     dims = tuple(range(2, grouped.dim()))
-    y = normalize(grouped, dims, w, b, eps, backend=backend)[0]
+    y = normalize(grouped, dims, affine_view(weight, pview), affine_view(bias, pview), eps,
+                  backend=backend)[0]
     return y.flatten(1, 2)
 
 

@@ -157,9 +157,11 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
 
 
 def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
-                  eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+                  eps: float, stats: bool = True
+                  ) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
     """torch's fused kernels for InstanceNorm of contiguous input when accurate:
-    ``(y, mean, var)`` with ``(N, C)`` statistics (``var`` biased), else ``None``.
+    ``(y, mean, var)`` with ``(N, C)`` statistics (``var`` biased; both None unless
+    ``stats``: without running buffers nothing reads them), else ``None``.
 
     InstanceNorm is GroupNorm with one group per channel, and torch's GroupNorm kernel
     (NCHW) runs it faster than torch's own InstanceNorm (BatchNorm of the ``(1, N*C, *)``
@@ -179,6 +181,8 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), c, eps)
     if not well_conditioned(mean, rstd, THRESHOLDS["group_norm"]):
         return None
+    if not stats:
+        return y, None, None
     var = rstd.detach().double().pow(-2).sub_(eps).clamp_(min=0).to(x.dtype)
     return y, mean.detach().view(n, c), var.view(n, c)
 
