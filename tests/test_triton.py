@@ -380,6 +380,22 @@ def test_inference_calls_skip_autograd_and_equal_training_calls(case):
         close(direct[0], yd, F32, "y")
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_forward_mode_ad_is_refused_not_dropped():  # (torch's make_dual scripts its decomps)
+    """The kernels have no jvp: under forward-mode AD a dual input raises, even where
+    no input requires grad (the inference shortcut must not drop the tangent)."""
+    import torch.autograd.forward_ad as fwad
+
+    x = rand(3, 8, grad=False)
+    with fwad.dual_level():
+        dual = fwad.make_dual(x, torch.randn_like(x))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            tk.layer_norm(dual, (8,))
+        with pytest.raises(NotImplementedError, match="jvp"):
+            tk.group_norm(fwad.make_dual(rand(2, 4, 3, grad=False),
+                                         torch.randn(2, 4, 3, device=DEVICE)), 2)
+
+
 # ------------------------------------------------------------------- numerics, hazards
 
 OFFSET_CASES = ["ln-single", "ln-chunked", "gn-nchw", "gn-nhwc", "bn-nchw", "bn-nhwc"]

@@ -21,6 +21,7 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from . import _kernels as K
@@ -119,9 +120,10 @@ def _or(t: Tensor | None, placeholder: Tensor) -> Tensor:
 
 def records_graph(*tensors: Tensor | None) -> bool:
     """True when a call on ``tensors`` needs its autograd Function: grad mode is on and
-    one of them requires grad, or torch.compile traces it. Otherwise the launchers run
-    directly: an inference call skips ``Function.apply`` and saves nothing."""
-    if torch.compiler.is_compiling():
+    one of them requires grad, torch.compile traces it, or forward-mode AD is active (the
+    Function then says it has no ``jvp`` rather than drop a tangent). Otherwise the
+    launchers run directly: an inference call skips ``Function.apply`` and saves nothing."""
+    if torch.compiler.is_compiling() or _forward_ad.__dict__.get("_current_level", -1) >= 0:
         return True
     if not torch.is_grad_enabled():
         return False
