@@ -383,7 +383,8 @@ def test_inference_calls_skip_autograd_and_equal_training_calls(case):
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_forward_mode_ad_is_refused_not_dropped():  # (torch's make_dual scripts its decomps)
     """The kernels have no jvp: under forward-mode AD a dual input raises, even where
-    no input requires grad (the inference shortcut must not drop the tangent)."""
+    no input requires grad (the inference shortcut must not drop the tangent), and
+    under vmap the autograd Function's own error says why."""
     import torch.autograd.forward_ad as fwad
 
     x = rand(3, 8, grad=False)
@@ -394,6 +395,8 @@ def test_forward_mode_ad_is_refused_not_dropped():  # (torch's make_dual scripts
         with pytest.raises(NotImplementedError, match="jvp"):
             tk.group_norm(fwad.make_dual(rand(2, 4, 3, grad=False),
                                          torch.randn(2, 4, 3, device=DEVICE)), 2)
+    with pytest.raises(RuntimeError, match="functorch transforms"):  # vmap: the same rule
+        torch.func.vmap(lambda row: tk.rms_norm(row, (8,)))(rand(2, 3, 8, grad=False))
 
 
 # ------------------------------------------------------------------- numerics, hazards

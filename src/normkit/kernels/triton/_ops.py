@@ -120,10 +120,12 @@ def _or(t: Tensor | None, placeholder: Tensor) -> Tensor:
 
 def records_graph(*tensors: Tensor | None) -> bool:
     """True when a call on ``tensors`` needs its autograd Function: grad mode is on and
-    one of them requires grad, torch.compile traces it, or forward-mode AD is active (the
-    Function then says it has no ``jvp`` rather than drop a tangent). Otherwise the
+    one of them requires grad, torch.compile traces it, or forward-mode AD or a functorch
+    transform (vmap, grad, jvp) is active (the Function then refuses it, saying why,
+    rather than drop a tangent or hand the kernel a batched tensor). Otherwise the
     launchers run directly: an inference call skips ``Function.apply`` and saves nothing."""
-    if torch.compiler.is_compiling() or _forward_ad.__dict__.get("_current_level", -1) >= 0:
+    if (torch.compiler.is_compiling() or _forward_ad.__dict__.get("_current_level", -1) >= 0
+            or torch._C._are_functorch_transforms_active()):
         return True
     if not torch.is_grad_enabled():
         return False
