@@ -104,6 +104,17 @@ def test_accelerator_inputs_take_torch_or_triton_kernels(name, as_on_a_gpu):
         assert y.is_contiguous(memory_format=torch.channels_last)
     if name == "LayerNorm2d-nchw":
         assert y.is_contiguous()
+    if name.startswith("LayerNorm2d"):  # LayerNorm over the channels, as timm computes it
+        want = torch.nn.functional.layer_norm(x.detach().permute(0, 2, 3, 1), (shape[1],),
+                                              layer.weight, layer.bias, layer.eps)
+        torch.testing.assert_close(y, want.permute(0, 3, 1, 2))
+    if name.startswith("Add"):  # (normed, x + residual) of the residual 0.5 x
+        s = x.detach() * 1.5
+        want = (torch.nn.functional.layer_norm(s, (12,), layer.weight, layer.bias, layer.eps)
+                if name == "AddLayerNorm" else
+                torch.nn.functional.rms_norm(s, (12,), layer.weight, layer.eps))
+        torch.testing.assert_close(out[0], want)
+        torch.testing.assert_close(out[1], s)
     if twin is None:
         return
     x_twin = _input(shape, channels_last)
