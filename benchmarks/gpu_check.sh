@@ -6,7 +6,8 @@
 #   tests.log        pytest tests/test_triton.py tests/test_triton_dispatch.py
 #                    tests/test_accelerator_policy.py (no device sync under "auto")
 #   steps.log        torch, triton, CUDA and the device; the wheel installs; then the
-#                    output of both bench runs
+#                    output of both bench runs, and the LayerNorm/RMSNorm widths timed as
+#                    CUDA graph replays (normkit bench --cuda-graphs: kernels, no host)
 #   overhead.txt     benchmarks/gpu_overhead.py: host us per call, kernel time under CUDA
 #                    graphs, a sweep of the two untuned launch parameters, a direct-launch
 #                    experiment, a profile, and torch's CUDA accuracy at offsets; then
@@ -26,7 +27,7 @@
 # Needs a python3 with a CUDA build of torch, triton, pytest, hypothesis and numpy (the
 # device machine's image has them); normkit runs from src/ without installing. Each
 # step has its own time limit (a bench stopped by it still writes the passes it measured,
-# marked interrupted), so the whole run ends within ~9 minutes; on the H200 of
+# marked interrupted), so the whole run ends within ~9.5 minutes; on the H200 of
 # 2026-11-30 it took about 3 (H200 HBM3e peak, for the % of peak: 4.8 TB/s; steps.log
 # has nvidia-smi's clocks and memory):
 #   bash benchmarks/gpu_check.sh            (on the GPU machine, from the repo root)
@@ -43,10 +44,10 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET  # compiled kernels on CUDA tensors, not the interpreter
 python=${PYTHON:-python3}
 failed=""  # the steps that did not exit 0; the script's exit status says whether any
-if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
-    device=cpu shapes=small repeats=1 widths=64x256,64x1024 flush=1
+if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then  # (no CUDA graphs on the CPU: eager timings)
+    device=cpu shapes=small repeats=1 widths=64x256,64x1024 flush=1 graphs=""
 else  # (flush: an H200's 60 MB L2 would otherwise hold rows up to 4096 x 1024, in and out)
-    device=cuda shapes=standard repeats=9 flush=256
+    device=cuda shapes=standard repeats=9 flush=256 graphs=--cuda-graphs
     widths=4096x256,4096x512,4096x1024,4096x2048,4096x4096,4096x8192,4096x16384
 fi
 
@@ -72,6 +73,7 @@ if [ "$device" = cuda ]; then
     par=$("$python" -c 'import xdist' 2>/dev/null && echo "-n 8")
     timeout -k 15 110 "$python" -m pytest -q -rf -p no:cacheprovider $par --durations=15 \
         tests/test_triton.py tests/test_triton_dispatch.py tests/test_accelerator_policy.py \
+        tests/test_bench.py::test_cuda_graph_timing_replays_every_implementation \
         > "$out/tests.log" 2>&1
     code=$?; echo "tests: exit $code (tail of $out/tests.log)"
     [ "$code" = 0 ] || failed="$failed tests"
@@ -118,6 +120,16 @@ code=$?; echo "sweep: exit $code (tail of $steps)"
 [ "$code" = 0 ] || failed="$failed sweep"
 { echo "== sweep: exit $code"; cat "$part"; } >> "$steps"
 tail -n 5 "$part"
+# the same widths timed as CUDA graph replays: the kernels without the host, which is
+# how issue 6's "% of HBM peak" can be judged at widths whose kernels take less time
+# than any eager call's host work (into steps.log: the device tool brings back 8 files)
+timeout -k 15 45 "$python" -m normkit bench layer_norm rms_norm \
+    --device "$device" --shapes "$widths" --repeats "$repeats" --flush-mib "$flush" \
+    --quiet --peak-gbs 4800 $graphs --markdown "$part" > /dev/null 2>&1
+code=$?; echo "graphs: exit $code (tail of $steps)"
+[ "$code" = 0 ] || failed="$failed graphs"
+{ echo "== graphs: exit $code"; cat "$part"; } >> "$steps"
+tail -n 12 "$part"
 rm -f "$part"
 
 if [ "$device" = cuda ]; then

@@ -136,7 +136,7 @@ def test_plan_skips_ops_without_a_matching_shape():
 
 @pytest.mark.parametrize("kwargs", [
     {"device": "tpu"}, {"threads": (0,)}, {"dtype": "int8"}, {"input": "zeros"},
-    {"repeats": 0}, {"shapes": "4x4x4x4x4"}, {"flush_mib": -1},
+    {"repeats": 0}, {"shapes": "4x4x4x4x4"}, {"flush_mib": -1}, {"cuda_graphs": True},
 ])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
@@ -413,6 +413,39 @@ def test_flush_default_per_device_recorded_in_the_document():
     assert "cache: cold (1 MiB written before every call" in report.to_markdown(doc)
     warm = run(BenchConfig(ops=("rms_norm",), shapes="4x8", **TINY))
     assert "cache: warm" in report.to_markdown(warm)
+
+
+def test_cuda_graphs_setting_is_recorded_and_explained():
+    """--cuda-graphs needs CUDA (the CPU config refuses it, saying why); a document made
+    with it records the setting and its Markdown says what the times mean."""
+    with pytest.raises(ValueError, match="needs device 'cuda', got device 'cpu'"):
+        BenchConfig(cuda_graphs=True)
+    doc = run(BenchConfig(ops=("rms_norm",), shapes="4x8", **TINY))
+    assert doc["settings"]["cuda_graphs"] is False
+    assert "CUDA graphs" not in report.to_markdown(doc)
+    doc["settings"]["cuda_graphs"] = True
+    assert "captured once in a CUDA graph" in report.to_markdown(doc)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_timing_replays_every_implementation():
+    """On a GPU, --cuda-graphs times replays: every implementation gets a time and a
+    ratio, forward and forward+backward, and a replay rewrites the captured outputs."""
+    doc = run(BenchConfig(ops=("layer_norm", "rms_norm"), device="cuda", shapes="256x512",
+                          cuda_graphs=True, **TINY))
+    for record in doc["results"]:
+        for name, entry in record["impls"].items():
+            if entry.get("error") and "not installed" in entry["error"]:
+                continue
+            assert entry["error"] is None, (record["op"], name, entry["error"])
+            assert entry["ms"] > 0 and entry["ratio"] is not None
+    x = torch.zeros(4, device="cuda")
+    out = []
+    replay = measure.graphed(lambda: out.append(x + 1), warmup=1)
+    x.fill_(2.0)
+    replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[-1], torch.full((4,), 3.0, device="cuda"))
 
 
 def test_saved_bytes_sees_saved_input_and_dedupes_the_output():

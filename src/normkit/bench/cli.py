@@ -121,6 +121,9 @@ def build_parser(prog: str = "normkit bench") -> argparse.ArgumentParser:
     parser.add_argument("--flush-mib", type=int, default=None, metavar="MIB",
                         help="MiB written before every timed call, untimed, so that inputs "
                         "come from memory, not the cache (default: 256 on cuda, 0 on cpu)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="CUDA: time each call captured in a CUDA graph and replayed -- "
+                             "the kernels' time without the host's, for every implementation")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
     parser.add_argument("--peak-gbs", type=_positive, default=None, metavar="GB/S",
                         help="the device's nominal memory bandwidth, for the targets stated "
@@ -238,7 +241,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
                              input=args.input, repeats=args.repeats, warmup=args.warmup,
                              min_time=args.min_time, compile=args.compile,
                              copy_mib=args.copy_mib, seed=args.seed,
-                             flush_mib=args.flush_mib)
+                             flush_mib=args.flush_mib, cuda_graphs=args.cuda_graphs)
     except ValueError as error:
         parser.error(str(error))
     cases, skipped = plan(config)

@@ -183,6 +183,10 @@ def to_markdown(doc: dict) -> str:
         f"{settings['warmup']} warm-up calls; each "
         f"measurement repeats the call to last >= {settings['min_time_s'] * 1e3:g} ms",
         _cache_line(settings.get("flush_mib", 0)),
+        *([("- CUDA graphs: every call was captured once in a CUDA graph and its replays "
+            "timed: the kernels' time without the host's (Python, dispatch, launches), "
+            "for every implementation alike; eager calls also pay the host")]
+          if settings.get("cuda_graphs") else []),
         "",
     ]
     if doc.get("interrupted"):

@@ -113,6 +113,12 @@ class BenchConfig:
         flush_mib: MiB written before every timed call, untimed, so that inputs come
             from memory and not from the cache (:class:`normkit.bench.measure.Timer`);
             ``None``: 256 on CUDA (an H200's L2 holds 60 MB), 0 on the CPU.
+        cuda_graphs: CUDA only: time each implementation's call captured in a CUDA graph
+            and replayed (:func:`normkit.bench.measure.graphed`): the kernels' time
+            without the host's, for every implementation alike. An eager call costs the
+            host 20-100+ us (Python, dispatch, launches), more than a small
+            normalization's kernels take, so eager timings of small shapes measure the
+            host; graph replays measure what the GPU does.
     """
 
     ops: tuple[str, ...] = ()
@@ -128,6 +134,7 @@ class BenchConfig:
     copy_mib: int = 256
     seed: int = 0
     flush_mib: int | None = None
+    cuda_graphs: bool = False
     shape_list: tuple[Shape, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -148,6 +155,9 @@ class BenchConfig:
             raise ValueError(f"expected repeats >= 1, warmup >= 0, min_time >= 0 and "
                              f"copy_mib >= 1, got {self.repeats}, {self.warmup}, "
                              f"{self.min_time}, {self.copy_mib}")
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError(f"cuda_graphs times CUDA graph replays and needs device "
+                             f"'cuda', got device {self.device!r}")
         if self.flush_mib is None:
             object.__setattr__(self, "flush_mib", DEFAULT_FLUSH_MIB[self.device])
         elif self.flush_mib < 0:
@@ -410,6 +420,9 @@ class _Case:
                         last = self.timer(step)
                     if grad:
                         entry["memory"] = self._memory(name, module, inputs, step)
+                    if config.cuda_graphs:
+                        step = measure.graphed(step)
+                        last = self.timer(step)
                 except Exception as error:
                     entry["error"] = _describe(error)
                     continue
@@ -480,7 +493,8 @@ def run(config: BenchConfig | None = None, *, command: str | None = None,
                      "shape_list": [shape.spec for shape in config.shape_list],
                      "repeats": config.repeats, "warmup": config.warmup,
                      "min_time_s": config.min_time, "compile": config.compile,
-                     "seed": config.seed, "flush_mib": config.flush_mib},
+                     "seed": config.seed, "flush_mib": config.flush_mib,
+                     "cuda_graphs": config.cuda_graphs},
         "implementations": used,
         "ops": [{"op": op.name, "kind": op.kind, "normkit": op.normkit_doc,
                  "baseline": op.baseline_doc, "available": reason is None, "reason": reason}
