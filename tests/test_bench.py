@@ -424,7 +424,9 @@ def test_cuda_graphs_setting_is_recorded_and_explained():
     assert doc["settings"]["cuda_graphs"] is False
     assert "CUDA graphs" not in report.to_markdown(doc)
     doc["settings"]["cuda_graphs"] = True
-    assert "captured once in a CUDA graph" in report.to_markdown(doc)
+    text = report.to_markdown(doc)
+    assert "captured once in a CUDA graph" in text
+    assert "compare kernels here, not eager calls" in text  # (the targets section says so)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
