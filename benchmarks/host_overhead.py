@@ -19,6 +19,10 @@ beside the same numbers for torch eager's own op, which runs on the CPU here (it
 time there includes its CPU kernels: tiny inputs keep them short).
 
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/host_overhead.py
+    PYTHONPATH=src python benchmarks/host_overhead.py wrapper
+
+(``wrapper``: normkit's modules on the route a GPU input takes to torch's kernels,
+beside torch's modules; see :func:`wrapper`.)
 
 The figures are for reading, not asserting: one machine, one run.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -110,8 +115,40 @@ def cases() -> dict[str, tuple]:
     }
 
 
+def wrapper() -> None:
+    """``wrapper`` step: normkit's modules on the route a GPU input takes to torch's own
+    kernels (``normkit.functional._off_cpu`` patched to say every tensor is on one), beside
+    torch's modules, on tiny CPU inputs where the wrapper's cost shows most. Ratio: torch
+    module time / normkit module time (< 1: normkit's wrapper costs that much more)."""
+    import normkit
+    import normkit.functional as NF
+
+    NF._off_cpu = lambda x: True
+    x = torch.randn(3, 5, 7, 9)
+    pairs = {
+        "BatchNorm2d, training": (torch.nn.BatchNorm2d(5), normkit.BatchNorm2d(5)),
+        "BatchNorm2d, eval": (torch.nn.BatchNorm2d(5).eval(), normkit.BatchNorm2d(5).eval()),
+        "GroupNorm": (torch.nn.GroupNorm(5, 5), normkit.GroupNorm(5, 5)),
+        "BatchNormAct2d (ReLU)": (torch.nn.Sequential(torch.nn.BatchNorm2d(5), torch.nn.ReLU()),
+                                  normkit.BatchNormAct2d(5)),
+        "GroupNormAct (SiLU)": (torch.nn.Sequential(torch.nn.GroupNorm(5, 5), torch.nn.SiLU()),
+                                normkit.GroupNormAct(5, 5, act="silu")),
+        "InstanceNorm2d": (torch.nn.InstanceNorm2d(5), normkit.InstanceNorm2d(5)),
+    }
+    print("| layer (3x5x7x9, GPU route) | torch us | normkit us | torch / normkit |")
+    print("|---|---:|---:|---:|")
+    for name, (theirs, ours) in pairs.items():
+        mine, torchs, ratio = host_us(lambda m=ours: m(x), lambda m=theirs: m(x), number=1000)
+        print(f"| {name} | {torchs:.1f} | {mine:.1f} | {1 / ratio:.2f}x |", flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if sys.argv[1:] == ["wrapper"]:
+        wrapper()
+        return
+    if sys.argv[1:]:
+        raise SystemExit(f"unknown arguments {sys.argv[1:]}: expected none, or 'wrapper'")
     if not tk.interpreting():
         raise SystemExit("run with TRITON_INTERPRET=1 (set before triton is imported)")
     launches, hook = _launch_counter()
