@@ -153,6 +153,35 @@ def test_pool_groups_and_counts():
     assert channels.Pool("group", 3).sum(t)[1].tolist() == [13, 13, 17, 17, 21, 21]
 
 
+@pytest.mark.parametrize("threads, block_bytes, way", [
+    (1, 8192, "blocks of 2 whole samples"),
+    (1, 1024, "4 parts of each sample's rows"),
+    (2, 8192, "blocks of 4 whole samples"),
+    (2, 1024, "the whole tensor (a block holds less than a sample per thread)"),
+], ids=["samples", "parts", "samples-2-threads", "whole-2-threads"])
+def test_blocked_column_sums_equal_float64(monkeypatch, threads, block_bytes, way):
+    """The channels-last slice sums, taken block by block in each of the function's three
+    ways, are the float64 sums to within a few ulps of a cascade sum; blocks of whole
+    samples give the whole-tensor sums bit for bit."""
+    monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", block_bytes)
+    x = torch.randn(3, 8, 10, 12, generator=torch.Generator().manual_seed(0)).add_(2.0)
+    cols = channels._columns(x.contiguous(memory_format=torch.channels_last))  # (3, 120, 8)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        s1, s2 = channels._blocked_column_sums(cols)
+        whole = cols.sum(1), (cols * cols).sum(1)
+    finally:
+        torch.set_num_threads(before)
+    c64 = cols.double()
+    eps = torch.finfo(torch.float32).eps
+    assert (s1.double() - c64.sum(1)).abs().le(16 * eps * c64.abs().sum(1)).all(), way
+    ref2 = (c64 * c64).sum(1)
+    assert (s2.double() - ref2).abs().le(16 * eps * ref2).all(), way
+    if "whole" in way or "samples" in way:
+        assert torch.equal(s1, whole[0]) and torch.equal(s2, whole[1]), way
+
+
 def test_engine_supports_only_what_it_serves():
     x = torch.randn(2, 3, 8, 8)
     assert channels.supports(x)

@@ -1,0 +1,99 @@
+"""Channels-last slice sums: one full-size square against cache-sized blocks.
+
+The slice-sums engine (``normkit.kernels.channels``) needs, for channels-last input, the
+per-(sample, channel) sums of ``x`` and ``x^2`` over the positions: outer reductions of
+each sample's ``(L, C)`` matrix. It used to square the whole tensor and then sum the
+squares (a full-size temporary written and read back through memory); it now squares a
+block of about ``COLUMN_BLOCK_BYTES`` per thread into a reused buffer and sums it while
+it is in cache (``_blocked_column_sums``). This script times both on the same inputs,
+float32, in one process with a fixed thread count, round-robin, median of the per-round
+times, and checks that the sums agree.
+
+Prints a Markdown table: ms per call of each and the ratio (> 1: blocks faster), and the
+largest relative difference between the two results; ``--block-bytes`` times several
+block sizes (each a column) to choose the constant.
+
+Run: ``python benchmarks/column_sums.py [--threads 1 2] [--repeats 9]
+[--block-bytes 262144 1048576]`` (under a minute per block size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from normkit.kernels import channels
+
+SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14), (8, 32, 128, 128), (4, 64, 128, 128)]
+
+
+def whole(cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous way: column sums, then the sums of a full-size tensor of squares."""
+    return cols.sum(1), (cols * cols).sum(1)
+
+
+def _time(fn, calls: int = 3) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def _blocks(cols: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    saved = channels.COLUMN_BLOCK_BYTES
+    channels.COLUMN_BLOCK_BYTES = block_bytes
+    try:
+        return channels._blocked_column_sums(cols)
+    finally:
+        channels.COLUMN_BLOCK_BYTES = saved
+
+
+def measure(shape: tuple[int, ...], repeats: int, sizes: list[int]
+            ) -> tuple[float, list[float], float]:
+    """``(whole ms, [blocks ms per block size], max relative difference)`` for
+    channels-last ``shape``."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).add_(1.0).to(memory_format=torch.channels_last)
+    cols = channels._columns(x)
+    ref = whole(cols)
+    diff = max(((u - v).abs() / v.abs().clamp_min(1e-30)).max().item()
+               for size in sizes for u, v in zip(ref, _blocks(cols, size), strict=True))
+    fns = [lambda: whole(cols)] + [lambda s=size: _blocks(cols, s) for size in sizes]
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()  # warm-up
+    for _ in range(repeats):  # round-robin
+        for fn, into in zip(fns, times, strict=True):
+            into.append(_time(fn))
+    medians = [statistics.median(t) * 1e3 for t in times]
+    return medians[0], medians[1:], diff
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--block-bytes", type=int, nargs="+",
+                        default=[channels.COLUMN_BLOCK_BYTES],
+                        help="block sizes per thread to time (default: the library's)")
+    args = parser.parse_args(argv)
+    sizes = args.block_bytes
+    print(f"torch {torch.__version__}, COLUMN_BLOCK_BYTES = {channels.COLUMN_BLOCK_BYTES}; "
+          f"blocks: ms (whole / blocks) per block size in bytes per thread\n")
+    print("| threads | shape (channels_last) | whole ms | "
+          + " | ".join(f"{s} B" for s in sizes) + " | max rel diff |")
+    print("|---:|---|---:|" + "---:|" * len(sizes) + "---:|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for shape in SHAPES:
+            old, new, diff = measure(shape, args.repeats, sizes)
+            cells = " | ".join(f"{t:.2f} ({old / t:.2f}x)" for t in new)
+            print(f"| {threads} | {'x'.join(map(str, shape))} | {old:.2f} | {cells} | "
+                  f"{diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
