@@ -658,9 +658,9 @@ def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
     engine from there up (see there why); ``None`` when the data are ill-conditioned."""
     if not channels.supports(x, weight, bias):
         return None
-    if x[0, 0].numel() < channels.GROUP_NORM_MIN_POSITIONS:
+    if x.shape[2:].numel() < channels.GROUP_NORM_MIN_POSITIONS:
         n, c = x.shape[:2]
-        y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(),
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(),
                                                 groups, eps)
         return y if native.well_conditioned(mean, rstd, channels.RATIO) else None
     per_group = x.shape[1] // groups

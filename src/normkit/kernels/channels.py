@@ -91,7 +91,7 @@ class Pool(NamedTuple):
     def count(self, x: Tensor) -> int:
         """Number of elements in each group of ``x``."""
         n, c = x.shape[:2]
-        positions = x[0, 0].numel() if x.numel() else 0
+        positions = x.shape[2:].numel() if x.numel() else 0
         if self.kind == "batch":
             return n * positions
         if self.kind == "instance":
@@ -135,7 +135,7 @@ def supports(x: Tensor, *params: Tensor | None) -> bool:
         return False
     if any(p is not None and p.dtype != x.dtype for p in params):
         return False
-    if x[0, 0].numel() < MIN_POSITIONS:
+    if x.shape[2:].numel() < MIN_POSITIONS:
         return False
     return x.is_contiguous() or _channels_last(x)
 

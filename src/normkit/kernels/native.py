@@ -178,7 +178,7 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
             or any(p is not None and p.dtype != x.dtype for p in (weight, bias))):
         return None
     n, c = x.shape[:2]
-    y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), c, eps)
+    y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(), c, eps)
     if not well_conditioned(mean, rstd, THRESHOLDS["group_norm"]):
         return None
     if not stats:
@@ -223,7 +223,7 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
     if not _plain_dense(x):
         return None
     n, c = x.shape[:2]
-    hxw = x[0, 0].numel() if x.dim() > 2 else 1
+    hxw = x.shape[2:].numel() if x.dim() > 2 else 1
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hxw, num_groups, eps)
     return y if well_conditioned(mean, rstd, THRESHOLDS["group_norm"]) else None
 

@@ -1113,7 +1113,7 @@ class _GroupNormActFunction(torch.autograd.Function):
         y = mean = rstd = None
         path = "robust"
         if (fast and layout is not None
-                and x[0, 0].numel() >= channels.GROUP_NORM_MIN_POSITIONS):
+                and x.shape[2:].numel() >= channels.GROUP_NORM_MIN_POSITIONS):
             stats = channels.moments(x, channels.Pool("group", groups), eps)
             if stats is not None:
                 mean, _, rstd = stats
