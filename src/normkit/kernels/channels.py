@@ -177,9 +177,9 @@ def _blocked_column_sums(cols: Tensor) -> tuple[Tensor, Tensor]:
     one sample per thread (each op then splits across the samples; split within a
     sample's rows, torch's outer reductions measured slower than the whole-tensor way),
     else the whole tensor is squared as before. Measured (``benchmarks/column_sums.py``,
-    float32, channels-last, whole-tensor time / blocked time): 32x64x56x56 1.6-3.0x at 1
-    thread and 2.0-4.1x at 2, 32x256x14x14 1.3-1.4x and 1.05x, 8x32x128x128 2.0x at 1
-    thread (2 threads: the whole-tensor way).
+    float32, channels-last, whole-tensor time / blocked time, five runs): 32x64x56x56
+    1.7-3.0x at 1 thread and 1.5-4.1x at 2, 32x256x14x14 1.25-1.4x and 0.96-1.09x,
+    8x32x128x128 1.4-2.0x at 1 thread (2 threads: the whole-tensor way).
     """
     n, length, c = cols.shape
     threads = torch.get_num_threads()
