@@ -11,10 +11,13 @@ times, and checks that the sums agree.
 
 Prints a Markdown table: ms per call of each and the ratio (> 1: blocks faster), and the
 largest relative difference between the two results; ``--block-bytes`` times several
-block sizes (each a column) to choose the constant.
+block sizes (each a column) to choose the constant. The last timed column is the other
+way the engine takes these sums with one thread, torch's BatchNorm kernel on each
+sample's folded matrix (``_kernel_column_sums`` with ``_fold``), where a fold exists.
 
 Run: ``python benchmarks/column_sums.py [--threads 1 2] [--repeats 9]
-[--block-bytes 262144 1048576]`` (under a minute per block size).
+[--block-bytes 262144 1048576]`` (under a minute per block size), or ``--accuracy`` for
+the errors behind ``FOLD_ROWS``.
 """
 
 from __future__ import annotations
@@ -61,7 +64,13 @@ def measure(shape: tuple[int, ...], repeats: int, sizes: list[int]
     ref = whole(cols)
     diff = max(((u - v).abs() / v.abs().clamp_min(1e-30)).max().item()
                for size in sizes for u, v in zip(ref, _blocks(cols, size), strict=True))
+    fold = channels._fold(cols.shape[1])
     fns = [lambda: whole(cols)] + [lambda s=size: _blocks(cols, s) for size in sizes]
+    if fold is not None:
+        folded = channels._kernel_column_sums(cols, fold)
+        diff = max(diff, *(((u - v).abs() / v.abs().clamp_min(1e-30)).max().item()
+                           for u, v in zip(ref, folded, strict=True)))
+        fns.append(lambda: channels._kernel_column_sums(cols, fold))
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()  # warm-up
@@ -69,7 +78,49 @@ def measure(shape: tuple[int, ...], repeats: int, sizes: list[int]
         for fn, into in zip(fns, times, strict=True):
             into.append(_time(fn))
     medians = [statistics.median(t) * 1e3 for t in times]
+    if fold is None:
+        medians.append(float("nan"))
     return medians[0], medians[1:], diff
+
+
+def _group_norm_error(x: torch.Tensor, sums: tuple[torch.Tensor, torch.Tensor],
+                      groups: int, eps: float = 1e-5) -> float:
+    """Max error vs float64 of GroupNorm of ``x`` with statistics from ``sums``."""
+    n, c = x.shape[:2]
+    count = c // groups * x.shape[2:].numel()
+    s1, s2 = (s.double().view(n, groups, -1).sum(2) for s in sums)
+    mean = s1 / count
+    rstd = torch.rsqrt((s2 / count - mean * mean).clamp_min(0) + eps)
+    grouped = x.double().contiguous().view(n, groups, -1)
+    y = (grouped - mean[..., None]) * rstd[..., None]
+    ref = torch.nn.functional.group_norm(x.double().contiguous(), groups, eps=eps).view(
+        n, groups, -1)
+    return float((y - ref).abs().max())
+
+
+def accuracy(shape: tuple[int, ...] = (32, 64, 56, 56), groups: int = 32) -> None:
+    """Print GroupNorm's error from each way's sums (the folds torch's kernel could take
+    included), at ``|mean| / std`` 0, 1 and 2: the table behind ``FOLD_ROWS``."""
+    length = shape[2] * shape[3]
+    folds = [k for k in (1, 4, 7, 14, 28) if length % k == 0]
+    ways = {"cascade (whole)": whole, "blocks": channels._blocked_column_sums}
+    for k in folds:
+        ways[f"kernel, {length // k} rows"] = lambda cols, k=k: channels._kernel_column_sums(
+            cols, k)
+    print(f"GroupNorm({groups}) of {'x'.join(map(str, shape))} channels_last, float32 sums, "
+          f"max error vs float64\n")
+    print("| sums | ratio 0 | ratio 1 | ratio 2 |")
+    print("|---|---:|---:|---:|")
+    errors: dict[str, list[float]] = {name: [] for name in ways}
+    for offset in (0.0, 1.0, 2.0):
+        gen = torch.Generator().manual_seed(0)
+        x = (torch.randn(shape, generator=gen) + offset).contiguous(
+            memory_format=torch.channels_last)
+        cols = channels._columns(x)
+        for name, way in ways.items():
+            errors[name].append(_group_norm_error(x, way(cols), groups))
+    for name, errs in errors.items():
+        print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,18 +130,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-bytes", type=int, nargs="+",
                         default=[channels.COLUMN_BLOCK_BYTES],
                         help="block sizes per thread to time (default: the library's)")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="print the error of each way's sums instead of timing them")
     args = parser.parse_args(argv)
+    if args.accuracy:
+        accuracy()
+        return
     sizes = args.block_bytes
     print(f"torch {torch.__version__}, COLUMN_BLOCK_BYTES = {channels.COLUMN_BLOCK_BYTES}; "
           f"blocks: ms (whole / blocks) per block size in bytes per thread\n")
     print("| threads | shape (channels_last) | whole ms | "
-          + " | ".join(f"{s} B" for s in sizes) + " | max rel diff |")
-    print("|---:|---|---:|" + "---:|" * len(sizes) + "---:|")
+          + " | ".join(f"{s} B" for s in sizes) + " | folded kernel | max rel diff |")
+    print("|---:|---|---:|" + "---:|" * (len(sizes) + 1) + "---:|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for shape in SHAPES:
             old, new, diff = measure(shape, args.repeats, sizes)
-            cells = " | ".join(f"{t:.2f} ({old / t:.2f}x)" for t in new)
+            cells = " | ".join("-" if t != t else f"{t:.2f} ({old / t:.2f}x)" for t in new)
             print(f"| {threads} | {'x'.join(map(str, shape))} | {old:.2f} | {cells} | "
                   f"{diff:.1e} |")
 

@@ -182,6 +182,53 @@ def test_blocked_column_sums_equal_float64(monkeypatch, threads, block_bytes, wa
         assert torch.equal(s1, whole[0]) and torch.equal(s2, whole[1]), way
 
 
+def test_fold_views_at_most_fold_rows_in_sequence():
+    assert channels._fold(24 * 24) == 3  # 192 rows of 3 positions
+    assert channels._fold(56 * 56) == 14  # 224 rows
+    assert channels._fold(100) == 1  # few rows already
+    assert channels._fold(4099) is None  # a prime past FOLD_ROWS: no fold leaves >= 16 rows
+    for length in (300, 576, 3136, 16384, 12544):
+        k = channels._fold(length)
+        assert length % k == 0 and channels.FOLD_MIN_ROWS <= length // k <= channels.FOLD_ROWS
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", ["bn-cl", "in-cl", "gn-cl"])
+def test_folded_channels_last_sums_forward_and_backward_equal_float64(name, threads):
+    """Channels-last input with more positions than FOLD_ROWS: the statistics and the
+    backward sums read each sample as a folded matrix (or in cache blocks, by thread
+    count); output and every gradient equal the float64 reference."""
+    make = {"bn-cl": lambda: normkit.BatchNorm2d(6), "gn-cl": lambda: normkit.GroupNorm(3, 6),
+            "in-cl": lambda: normkit.InstanceNorm2d(6, affine=True)}[name]
+    gen = torch.Generator().manual_seed(1)
+    # (16 x 576 values per channel: past the count where BatchNorm keeps torch's kernel)
+    x64 = torch.randn(16, 6, 24, 24, generator=gen, dtype=torch.float64).add_(1.0)
+    assert channels._fold(24 * 24) == 3
+    dy = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        module = make()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        x = x64.float().contiguous(memory_format=torch.channels_last).requires_grad_()
+        y = module(x)
+        y.backward(dy.float())
+    finally:
+        torch.set_num_threads(before)
+    assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    twin = make().double()
+    twin.load_state_dict(module.state_dict())
+    if name == "bn-cl":  # the reference in the module's mode before the call (training)
+        twin.running_mean.zero_(), twin.running_var.fill_(1.0)
+    ref_x = x64.clone().requires_grad_()
+    ref = reference_forward(twin, ref_x, input_dtype=torch.float32)
+    ref.backward(dy)
+    assert_close(y, ref, torch.float32)
+    assert_grad_close(x.grad, ref_x.grad, torch.float32, "input grad")
+
+
 def test_engine_supports_only_what_it_serves():
     x = torch.randn(2, 3, 8, 8)
     assert channels.supports(x)

@@ -36,6 +36,7 @@ BatchNorm at 131072 values per channel, which this engine replaces there.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -152,9 +153,58 @@ def _slice_sums(x: Tensor, pool: Pool) -> tuple[Tensor, Tensor]:
         rows = x.view(n * c, -1)
         return rows.sum(1).view(n, c), torch.linalg.vector_norm(rows, 2, 1).square_().view(n, c)
     cols = _columns(x)  # (N, L, C)
+    fold = _fold(cols.shape[1])
     if pool.kind == "batch" and cols.shape[1] <= CHANNELS_LAST_MAX_COUNT:
-        return _kernel_column_sums(cols)
+        return _kernel_column_sums(cols, fold or 1)
+    if fold is not None and not _blocks_of_samples(cols):
+        return _kernel_column_sums(cols, fold)
     return _blocked_column_sums(cols)
+
+
+def _blocks_of_samples(cols: Tensor) -> bool:
+    """Whether :func:`_blocked_column_sums` takes ``(N, L, C)`` in blocks of whole samples
+    with more than one thread, the one case where it beats the folded kernel sums
+    (``benchmarks/column_sums.py``, two runs: with one thread the kernel is 1.1-1.7x
+    faster at every size; with two, blocks of whole samples are 1.1-1.75x faster at
+    56 x 56 and 14 x 14, and where a sample overflows a thread's block the kernel is
+    1.4-1.75x faster than the whole-tensor way the blocks fall back to)."""
+    threads = torch.get_num_threads()
+    n, length, c = cols.shape
+    step = COLUMN_BLOCK_BYTES * threads // max(length * c * cols.element_size(), 1)
+    return threads > 1 and step >= threads
+
+
+#: Most rows torch's BatchNorm kernel sums in sequence for :func:`_kernel_column_sums`
+#: and the channels-last backward sums (:func:`_fold`). Its channels-last sums add the
+#: rows one after another, so their error grows with the rows. Max error vs float64 of
+#: GroupNorm (32 groups) of 32x64x56x56 from each way's sums, at ``|mean| / std`` 0, 1
+#: and 2 (``benchmarks/column_sums.py --accuracy``): 3136 rows (unfolded) 2.0e-6 /
+#: 6.5e-6 / 2.2e-5, 784 rows 5.9e-7 / 1.8e-6 / 4.6e-6, 224 rows (the fold taken here)
+#: 3.3e-7 / 1.0e-6 / 2.5e-6, against 3.4e-7 / 1.1e-6 / 2.8e-6 from torch's cascaded
+#: sums.
+FOLD_ROWS = 256
+#: Fewest rows a fold may leave: below, the folded matrix is so wide that summing its
+#: folds costs more than it saves (and a prime ``L`` has no fold but ``L`` itself).
+FOLD_MIN_ROWS = 16
+
+
+@functools.lru_cache(maxsize=256)
+def _fold(length: int) -> int | None:
+    """The smallest ``k`` dividing ``length`` with ``length / k <= FOLD_ROWS`` rows, when
+    those rows are at least :data:`FOLD_MIN_ROWS`; else ``None``.
+
+    An ``(L, C)`` matrix viewed as ``(L / k, k * C)`` (the same memory) has rows of ``k``
+    consecutive positions: torch's BatchNorm kernel then sums ``L / k`` rows in sequence
+    per column, and the ``k`` column sums of each channel are added after.
+
+    Example:
+        >>> _fold(3136), _fold(196), _fold(4099)  # 56 x 56, 14 x 14, a prime
+        (14, 1, None)
+    """
+    for k in range(max(1, -(-length // FOLD_ROWS)), length // FOLD_MIN_ROWS + 1):
+        if length % k == 0:
+            return k
+    return None
 
 
 #: Bytes of input per thread that :func:`_blocked_column_sums` squares at a time: the
@@ -211,27 +261,33 @@ def _blocked_column_sums(cols: Tensor) -> tuple[Tensor, Tensor]:
     return torch.sum(p1, 1, out=s1), torch.sum(p2, 1, out=s2)
 
 
-def _kernel_column_sums(cols: Tensor) -> tuple[Tensor, Tensor]:
+def _kernel_column_sums(cols: Tensor, fold: int = 1) -> tuple[Tensor, Tensor]:
     """Column sums of each ``(L, C)`` matrix of ``(N, L, C)`` from torch's BatchNorm
     backward kernel: with ``dy = x``, zero mean and unit invstd its "dbias" and "dweight"
     are ``sum x`` and ``sum x^2``, read with the channels innermost and no temporary (2x
     faster than a column sum plus a sum of squares).
 
-    The kernel adds sequentially along the rows, so each matrix's sums carry the error
-    of torch's channels-last BatchNorm at ``L`` values (at most
-    :data:`~normkit.kernels.native.CHANNELS_LAST_MAX_COUNT`, where it is within normkit's
-    bound); pooling the ``N`` matrices cannot raise the relative error of sums of
-    squares. (Pooled over only a few channels, as GroupNorm does, there is no such
-    margin: measured 5x the cascade sums' error at 56 x 56 positions, so GroupNorm and
-    InstanceNorm keep the cascade.)
+    The kernel adds sequentially along the rows, so its sums carry the error of torch's
+    channels-last BatchNorm at that many rows; each matrix is therefore read folded
+    (:func:`_fold`), as ``L / fold`` rows of ``fold * C`` columns, and the ``fold`` sums
+    of each channel added after. Unfolded, pooling the ``N`` matrices cannot raise the
+    relative error of sums of squares, which kept BatchNorm within normkit's bound up to
+    :data:`~normkit.kernels.native.CHANNELS_LAST_MAX_COUNT` rows; pooled over only a few
+    channels, as GroupNorm does, the unfolded error at 56 x 56 positions was 5x the
+    cascade's. Folded to at most :data:`FOLD_ROWS` rows the error is the cascade's (see
+    there), at one call per sample as unfolded; which of this and
+    :func:`_blocked_column_sums` is faster where: :func:`_blocks_of_samples`.
     """
-    n, _, c = cols.shape
-    unit = torch.ones(c, dtype=cols.dtype, device=cols.device)
+    n, length, c = cols.shape
+    unit = torch.ones(fold * c, dtype=cols.dtype, device=cols.device)
     zero = torch.zeros_like(unit)
-    sums = [_ATEN.native_batch_norm_backward(cols[i], cols[i], unit, None, None, zero, unit,
-                                             True, 0.0, [False, True, True])
-            for i in range(n)]
-    return torch.stack([t[2] for t in sums]), torch.stack([t[1] for t in sums])
+    sums = [_ATEN.native_batch_norm_backward(m, m, unit, None, None, zero, unit, True, 0.0,
+                                             [False, True, True])
+            for m in cols.reshape(n, length // fold, fold * c).unbind(0)]
+    s1, s2 = torch.stack([t[2] for t in sums]), torch.stack([t[1] for t in sums])
+    if fold == 1:
+        return s1, s2
+    return s1.view(n, fold, c).sum(1), s2.view(n, fold, c).sum(1)
 
 
 def moments(x: Tensor, pool: Pool, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -320,14 +376,22 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]
             _per_slice(mean, n), unit, True, 0.0, [False, True, True])
         return s1.view(n, c), sx.view(n, c)
     # channels-last: the same kernel per sample on the (L, C) matrix, whose channels are
-    # the columns (2x faster than a product and two column sums, and no temporary)
+    # the columns (2x faster than a product and two column sums, and no temporary),
+    # folded as the forward's sums are (_kernel_column_sums: the same rows in sequence)
     cols_dy, cols_x = _columns(dy), _columns(x)  # (N, L, C)
-    unit = torch.ones(c, dtype=x.dtype, device=x.device)
-    means = mean.expand(n, c)
-    sums = [_ATEN.native_batch_norm_backward(cols_dy[i], cols_x[i], unit, None, None,
-                                             means[i], unit, True, 0.0, [False, True, True])
-            for i in range(n)]
-    return torch.stack([s[2] for s in sums]), torch.stack([s[1] for s in sums])
+    length = cols_x.shape[1]
+    fold = _fold(length) or 1
+    shape = (n, length // fold, fold * c)
+    unit = torch.ones(fold * c, dtype=x.dtype, device=x.device)
+    means = mean.expand(n, c).repeat(1, fold)
+    sums = [_ATEN.native_batch_norm_backward(g, v, unit, None, None, m, unit, True, 0.0,
+                                             [False, True, True])
+            for g, v, m in zip(cols_dy.reshape(shape).unbind(0), cols_x.reshape(shape).unbind(0),
+                               means.unbind(0), strict=True)]
+    s1, sx = torch.stack([s[2] for s in sums]), torch.stack([s[1] for s in sums])
+    if fold == 1:
+        return s1, sx
+    return s1.view(n, fold, c).sum(1), sx.view(n, fold, c).sum(1)
 
 
 def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,
