@@ -153,11 +153,13 @@ def _slice_sums(x: Tensor, pool: Pool) -> tuple[Tensor, Tensor]:
         rows = x.view(n * c, -1)
         return rows.sum(1).view(n, c), torch.linalg.vector_norm(rows, 2, 1).square_().view(n, c)
     cols = _columns(x)  # (N, L, C)
+    if _blocks_of_samples(cols):
+        return _blocked_column_sums(cols)
     fold = _fold(cols.shape[1])
-    if pool.kind == "batch" and cols.shape[1] <= CHANNELS_LAST_MAX_COUNT:
-        return _kernel_column_sums(cols, fold or 1)
-    if fold is not None and not _blocks_of_samples(cols):
+    if fold is not None:
         return _kernel_column_sums(cols, fold)
+    if pool.kind == "batch" and cols.shape[1] <= CHANNELS_LAST_MAX_COUNT:
+        return _kernel_column_sums(cols)  # (few rows, or no fold: unfolded, as torch's BN)
     return _blocked_column_sums(cols)
 
 
