@@ -16,10 +16,12 @@ no temporary), the backward sums come from torch's BatchNorm backward kernel run
 ``(1, N*C, L)`` view (each slice a "channel", reductions only), and every per-slice
 affine pass is torch's inference BatchNorm kernel on that view (torch's own NCHW
 BatchNorm and InstanceNorm statistics kernels are 2-3x slower). Channels-last input: the
-forward sums are outer reductions, vectorized across the channels, on the tensor as it
-is (for BatchNorm, each sample's column sums from torch's BatchNorm backward kernel, see
-:func:`_kernel_column_sums`); the backward sums come from that kernel run on each
-sample's ``(L, C)`` matrix.
+forward sums are column sums of each sample's ``(L, C)`` matrix, vectorized across the
+channels, on the tensor as it is -- from torch's BatchNorm backward kernel on the matrix
+folded to at most ``FOLD_ROWS`` rows (:func:`_kernel_column_sums`), or with more than
+one thread, where a thread's cache block holds whole samples, from torch's cascaded
+sums a block at a time (:func:`_blocked_column_sums`); the backward sums come from that
+kernel on each sample's folded matrix.
 
 Accuracy: ``var = E[x^2] - E[x]^2`` loses a factor ``1 + r^2`` (``r = |mean| / std`` of a
 pooled group) of the sums' relative error (2-5 ulps for torch's cascaded row sums), so
