@@ -13,7 +13,9 @@ Prints a Markdown table: ms per call of each and the ratio (> 1: blocks faster),
 largest relative difference between the two results; ``--block-bytes`` times several
 block sizes (each a column) to choose the constant. The last timed column is the other
 way the engine takes these sums with one thread, torch's BatchNorm kernel on each
-sample's folded matrix (``_kernel_column_sums`` with ``_fold``), where a fold exists.
+sample's folded matrix (``_kernel_column_sums`` with ``_fold``), where a fold exists. A
+second table times the contiguous (NCHW) case: a row sum plus a row ``vector_norm``
+against torch's BatchNorm backward kernel on the ``(1, N*C, L)`` view (``_row_sums``).
 
 Run: ``python benchmarks/column_sums.py [--threads 1 2] [--repeats 9]
 [--block-bytes 262144 1048576]`` (under a minute per block size), or ``--accuracy`` for
@@ -83,6 +85,44 @@ def measure(shape: tuple[int, ...], repeats: int, sizes: list[int]
     return medians[0], medians[1:], diff
 
 
+def rows_whole(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous input, the previous way: a row sum and a row vector_norm (two reads)."""
+    rows = x.view(x.shape[0] * x.shape[1], -1)
+    return rows.sum(1), torch.linalg.vector_norm(rows, 2, 1).square_()
+
+
+def rows_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous input, the engine's way: torch's BatchNorm backward kernel (one read)."""
+    return channels._row_sums(x.view(1, x.shape[0] * x.shape[1], -1))
+
+
+def measure_rows(shape: tuple[int, ...], repeats: int) -> tuple[float, float]:
+    """``(row sum + vector_norm ms, kernel ms)`` for contiguous ``shape``."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).add_(1.0)
+    times: list[list[float]] = [[], []]
+    fns = (lambda: rows_whole(x), lambda: rows_kernel(x))
+    for fn in fns:
+        fn()
+    for _ in range(repeats):
+        for fn, into in zip(fns, times, strict=True):
+            into.append(_time(fn))
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
+
+
+def _batch_norm_error(x: torch.Tensor, sums: tuple[torch.Tensor, torch.Tensor],
+                      eps: float = 1e-5) -> float:
+    """Max error vs float64 of training BatchNorm of contiguous ``x`` from per-slice sums."""
+    n, c = x.shape[:2]
+    count = n * x.shape[2:].numel()
+    s1, s2 = (s.double().view(n, c).sum(0) for s in sums)
+    mean = s1 / count
+    rstd = torch.rsqrt((s2 / count - mean * mean).clamp_min(0) + eps)
+    view = (1, c) + (1,) * (x.dim() - 2)
+    y = (x.double() - mean.view(view)) * rstd.view(view)
+    ref = torch.nn.functional.batch_norm(x.double(), None, None, training=True, eps=eps)
+    return float((y - ref).abs().max())
+
+
 def _group_norm_error(x: torch.Tensor, sums: tuple[torch.Tensor, torch.Tensor],
                       groups: int, eps: float = 1e-5) -> float:
     """Max error vs float64 of GroupNorm of ``x`` with statistics from ``sums``."""
@@ -121,6 +161,19 @@ def accuracy(shape: tuple[int, ...] = (32, 64, 56, 56), groups: int = 32) -> Non
             errors[name].append(_group_norm_error(x, way(cols), groups))
     for name, errs in errors.items():
         print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
+    print("\nBatchNorm (training) of contiguous input from per-slice sums, max error vs "
+          "float64\n")
+    print("| shape | sums | ratio 0 | ratio 1 | ratio 2 |")
+    print("|---|---|---:|---:|---:|")
+    for shape in SHAPES[:3]:
+        row = {"row sum + vector_norm": [], "BatchNorm kernel": []}
+        for offset in (0.0, 1.0, 2.0):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) + offset
+            row["row sum + vector_norm"].append(_batch_norm_error(x, rows_whole(x)))
+            row["BatchNorm kernel"].append(_batch_norm_error(x, rows_kernel(x)))
+        for name, errs in row.items():
+            print(f"| {'x'.join(map(str, shape))} | {name} | "
+                  + " | ".join(f"{e:.1e}" for e in errs) + " |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,6 +202,15 @@ def main(argv: list[str] | None = None) -> None:
             cells = " | ".join("-" if t != t else f"{t:.2f} ({old / t:.2f}x)" for t in new)
             print(f"| {threads} | {'x'.join(map(str, shape))} | {old:.2f} | {cells} | "
                   f"{diff:.1e} |")
+    print("\nContiguous (NCHW) input, per-slice sums: ms\n")
+    print("| threads | shape | row sum + vector_norm | BatchNorm kernel | x |")
+    print("|---:|---|---:|---:|---:|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for shape in SHAPES:
+            old, new_ms = measure_rows(shape, args.repeats)
+            print(f"| {threads} | {'x'.join(map(str, shape))} | {old:.2f} | {new_ms:.2f} | "
+                  f"{old / new_ms:.2f}x |")
 
 
 if __name__ == "__main__":
