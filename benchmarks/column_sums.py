@@ -138,29 +138,39 @@ def _group_norm_error(x: torch.Tensor, sums: tuple[torch.Tensor, torch.Tensor],
     return float((y - ref).abs().max())
 
 
-def accuracy(shape: tuple[int, ...] = (32, 64, 56, 56), groups: int = 32) -> None:
-    """Print GroupNorm's error from each way's sums (the folds torch's kernel could take
+#: (shape, groups) of the channels-last accuracy table: GroupNorm as in the bench, and
+#: GroupNorm and InstanceNorm (one group per channel) as in benchmarks/accuracy.py.
+ACCURACY_CASES = [((32, 64, 56, 56), 32), ((32, 32, 32, 32), 8), ((32, 32, 32, 32), 32)]
+#: Rows per fold to compare (each where it divides the positions), and unfolded.
+ACCURACY_ROWS = (512, 256, 128, 64, 32)
+
+
+def accuracy() -> None:
+    """Print GroupNorm's error from each way's sums (torch's kernel at several folds
     included), at ``|mean| / std`` 0, 1 and 2: the table behind ``FOLD_ROWS``."""
-    length = shape[2] * shape[3]
-    folds = [k for k in (1, 4, 7, 14, 28) if length % k == 0]
-    ways = {"cascade (whole)": whole, "blocks": channels._blocked_column_sums}
-    for k in folds:
-        ways[f"kernel, {length // k} rows"] = lambda cols, k=k: channels._kernel_column_sums(
-            cols, k)
-    print(f"GroupNorm({groups}) of {'x'.join(map(str, shape))} channels_last, float32 sums, "
-          f"max error vs float64\n")
-    print("| sums | ratio 0 | ratio 1 | ratio 2 |")
-    print("|---|---:|---:|---:|")
-    errors: dict[str, list[float]] = {name: [] for name in ways}
-    for offset in (0.0, 1.0, 2.0):
-        gen = torch.Generator().manual_seed(0)
-        x = (torch.randn(shape, generator=gen) + offset).contiguous(
-            memory_format=torch.channels_last)
-        cols = channels._columns(x)
-        for name, way in ways.items():
-            errors[name].append(_group_norm_error(x, way(cols), groups))
-    for name, errs in errors.items():
-        print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errs) + " |")
+    print("GroupNorm of channels_last input from float32 sums, max error vs float64 "
+          f"(FOLD_ROWS = {channels.FOLD_ROWS})\n")
+    print("| shape | groups | sums | ratio 0 | ratio 1 | ratio 2 |")
+    print("|---|---:|---|---:|---:|---:|")
+    for shape, groups in ACCURACY_CASES:
+        length = shape[2] * shape[3]
+        ways = {"cascade (whole)": whole, "blocks": channels._blocked_column_sums,
+                f"kernel, {length} rows (unfolded)": channels._kernel_column_sums}
+        for rows in ACCURACY_ROWS:
+            if length % rows == 0 and rows < length:
+                ways[f"kernel, {rows} rows"] = (
+                    lambda cols, k=length // rows: channels._kernel_column_sums(cols, k))
+        errors: dict[str, list[float]] = {name: [] for name in ways}
+        for offset in (0.0, 1.0, 2.0):
+            gen = torch.Generator().manual_seed(0)
+            x = (torch.randn(shape, generator=gen) + offset).contiguous(
+                memory_format=torch.channels_last)
+            cols = channels._columns(x)
+            for name, way in ways.items():
+                errors[name].append(_group_norm_error(x, way(cols), groups))
+        for name, errs in errors.items():
+            print(f"| {'x'.join(map(str, shape))} | {groups} | {name} | "
+                  + " | ".join(f"{e:.1e}" for e in errs) + " |")
     print("\nBatchNorm (training) of contiguous input from per-slice sums, max error vs "
           "float64\n")
     print("| shape | sums | ratio 0 | ratio 1 | ratio 2 |")

@@ -183,27 +183,39 @@ def test_blocked_column_sums_equal_float64(monkeypatch, threads, block_bytes, wa
 
 
 def test_fold_views_at_most_fold_rows_in_sequence():
-    assert channels._fold(24 * 24) == 3  # 192 rows of 3 positions
-    assert channels._fold(56 * 56) == 14  # 224 rows
-    assert channels._fold(100) == 1  # few rows already
+    assert channels.FOLD_ROWS == 64  # (the expectations below are for it)
+    assert channels._fold(24 * 24) == 9  # 64 rows of 9 positions
+    assert channels._fold(56 * 56) == 49  # 64 rows
+    assert channels._fold(64) == 1  # few rows already
     assert channels._fold(4099) is None  # a prime past FOLD_ROWS: no fold leaves >= 16 rows
     for length in (300, 576, 3136, 16384, 12544):
         k = channels._fold(length)
         assert length % k == 0 and channels.FOLD_MIN_ROWS <= length // k <= channels.FOLD_ROWS
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads, block_bytes, way", [
+    (1, 1024, "folded kernel"), (1, None, "blocks"),
+    (2, 1024, "folded kernel"), (2, None, "blocks"),
+])
 @pytest.mark.parametrize("name", ["bn-cl", "in-cl", "gn-cl"])
-def test_folded_channels_last_sums_forward_and_backward_equal_float64(name, threads):
-    """Channels-last input with more positions than FOLD_ROWS: the statistics and the
-    backward sums read each sample as a folded matrix (or in cache blocks, by thread
-    count); output and every gradient equal the float64 reference."""
+def test_folded_channels_last_sums_forward_and_backward_equal_float64(
+        monkeypatch, name, threads, block_bytes, way):
+    """Channels-last input with more positions than FOLD_ROWS: the statistics come from
+    each sample's folded matrix where a cache block holds fewer than two samples (one
+    per thread), else from cache blocks; the backward sums always fold. Output and every
+    gradient equal the float64 reference either way."""
+    if block_bytes is not None:
+        monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", block_bytes)
+    calls = []
+    kernel_sums = channels._kernel_column_sums
+    monkeypatch.setattr(channels, "_kernel_column_sums",
+                        lambda cols, fold=1: calls.append(fold) or kernel_sums(cols, fold))
     make = {"bn-cl": lambda: normkit.BatchNorm2d(6), "gn-cl": lambda: normkit.GroupNorm(3, 6),
             "in-cl": lambda: normkit.InstanceNorm2d(6, affine=True)}[name]
     gen = torch.Generator().manual_seed(1)
     # (16 x 576 values per channel: past the count where BatchNorm keeps torch's kernel)
     x64 = torch.randn(16, 6, 24, 24, generator=gen, dtype=torch.float64).add_(1.0)
-    assert channels._fold(24 * 24) == 3
+    assert channels._fold(24 * 24) > 1
     dy = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -218,6 +230,7 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(name, thre
     finally:
         torch.set_num_threads(before)
     assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    assert calls == ([channels._fold(24 * 24)] if way == "folded kernel" else []), calls
     twin = make().double()
     twin.load_state_dict(module.state_dict())
     if name == "bn-cl":  # the reference in the module's mode before the call (training)

@@ -183,27 +183,33 @@ def _row_sums(rows: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _blocks_of_samples(cols: Tensor) -> bool:
-    """Whether :func:`_blocked_column_sums` takes ``(N, L, C)`` in blocks of whole samples
-    with more than one thread, the one case where it beats the folded kernel sums
-    (``benchmarks/column_sums.py``, two runs: with one thread the kernel is 1.1-1.7x
-    faster at every size; with two, blocks of whole samples are 1.1-1.75x faster at
-    56 x 56 and 14 x 14, and where a sample overflows a thread's block the kernel is
-    1.4-1.75x faster than the whole-tensor way the blocks fall back to)."""
+    """Whether :func:`_blocked_column_sums` takes ``(N, L, C)`` in blocks of at least two
+    whole samples, and one per thread: there it beats the folded kernel sums, which cost
+    one call per sample (``benchmarks/column_sums.py``, two runs each: with one thread
+    blocks of five 14 x 14 x 256 samples are 1.1x faster, while at one 56 x 56 x 64
+    sample per block the kernel is 1.05-1.13x faster and at 128 x 128 1.17-1.32x; with
+    two threads blocks of whole samples are 1.1-1.75x faster at 56 x 56 and 14 x 14, and
+    where a sample overflows a thread's block the kernel is faster than the whole-tensor
+    way the blocks fall back to)."""
     threads = torch.get_num_threads()
     n, length, c = cols.shape
     step = COLUMN_BLOCK_BYTES * threads // max(length * c * cols.element_size(), 1)
-    return threads > 1 and step >= threads
+    return step >= max(threads, 2)
 
 
 #: Most rows torch's BatchNorm kernel sums in sequence for :func:`_kernel_column_sums`
 #: and the channels-last backward sums (:func:`_fold`). Its channels-last sums add the
 #: rows one after another, so their error grows with the rows. Max error vs float64 of
-#: GroupNorm (32 groups) of 32x64x56x56 from each way's sums, at ``|mean| / std`` 0, 1
-#: and 2 (``benchmarks/column_sums.py --accuracy``): 3136 rows (unfolded) 2.0e-6 /
-#: 6.5e-6 / 2.2e-5, 784 rows 5.9e-7 / 1.8e-6 / 4.6e-6, 224 rows (the fold taken here)
-#: 3.3e-7 / 1.0e-6 / 2.5e-6, against 3.4e-7 / 1.1e-6 / 2.8e-6 from torch's cascaded
-#: sums.
-FOLD_ROWS = 256
+#: GroupNorm from each way's sums, at ``|mean| / std`` 0, 1 and 2
+#: (``benchmarks/column_sums.py --accuracy``): 32x64x56x56, 32 groups, unfolded (3136
+#: rows) 2.0e-6 / 6.5e-6 / 2.2e-5, folded to 224 rows 3.3e-7 / 1.0e-6 / 2.5e-6, torch's
+#: cascaded sums 3.4e-7 / 1.1e-6 / 2.8e-6; 32x32x32x32, 8 groups, 256 rows 1.9e-7 /
+#: 7.6e-7 / 2.1e-6 against the cascade's 1.3e-7 / 4.5e-7 / 1.5e-6. One group per channel
+#: (InstanceNorm) averages nothing over channels: 256 rows 4.6e-7 / 1.4e-6 / 5.2e-6,
+#: 64 rows 3.3e-7 / 1.2e-6 / 3.4e-6, the cascade 2.9e-7 / 8.4e-7 / 2.8e-6. So 64 rows:
+#: within 1.2x of the cascade for every pool (256 rows were 1.1-1.7x faster than the
+#: blocks with one thread, 64 rows are 1.05-1.3x where they are taken).
+FOLD_ROWS = 64
 #: Fewest rows a fold may leave: below, the folded matrix is so wide that summing its
 #: folds costs more than it saves (and a prime ``L`` has no fold but ``L`` itself).
 FOLD_MIN_ROWS = 16
@@ -219,8 +225,8 @@ def _fold(length: int) -> int | None:
     per column, and the ``k`` column sums of each channel are added after.
 
     Example:
-        >>> _fold(3136), _fold(196), _fold(4099)  # 56 x 56, 14 x 14, a prime
-        (14, 1, None)
+        >>> _fold(3136), _fold(64), _fold(4099)  # 56 x 56, 8 x 8, a prime
+        (49, 1, None)
     """
     for k in range(max(1, -(-length // FOLD_ROWS)), length // FOLD_MIN_ROWS + 1):
         if length % k == 0:
