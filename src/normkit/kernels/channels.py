@@ -188,7 +188,8 @@ def _blocks_of_samples(cols: Tensor) -> bool:
     one call per sample (``benchmarks/column_sums.py``, two runs each: with one thread
     blocks of five 14 x 14 x 256 samples are 1.1x faster, while at one 56 x 56 x 64
     sample per block the kernel is 1.05-1.13x faster and at 128 x 128 1.17-1.32x; with
-    two threads blocks of whole samples are 1.1-1.75x faster at 56 x 56 and 14 x 14, and
+    two threads, measured with 256-row folds, blocks of whole samples were 1.1-1.75x
+    faster at 56 x 56 and 14 x 14 -- fewer rows per fold only slow the kernel -- and
     where a sample overflows a thread's block the kernel is faster than the whole-tensor
     way the blocks fall back to)."""
     threads = torch.get_num_threads()
@@ -197,18 +198,17 @@ def _blocks_of_samples(cols: Tensor) -> bool:
     return step >= max(threads, 2)
 
 
-#: Most rows torch's BatchNorm kernel sums in sequence for :func:`_kernel_column_sums`
-#: and the channels-last backward sums (:func:`_fold`). Its channels-last sums add the
-#: rows one after another, so their error grows with the rows. Max error vs float64 of
-#: GroupNorm from each way's sums, at ``|mean| / std`` 0, 1 and 2
-#: (``benchmarks/column_sums.py --accuracy``): 32x64x56x56, 32 groups, unfolded (3136
-#: rows) 2.0e-6 / 6.5e-6 / 2.2e-5, folded to 224 rows 3.3e-7 / 1.0e-6 / 2.5e-6, torch's
-#: cascaded sums 3.4e-7 / 1.1e-6 / 2.8e-6; 32x32x32x32, 8 groups, 256 rows 1.9e-7 /
-#: 7.6e-7 / 2.1e-6 against the cascade's 1.3e-7 / 4.5e-7 / 1.5e-6. One group per channel
-#: (InstanceNorm) averages nothing over channels: 256 rows 4.6e-7 / 1.4e-6 / 5.2e-6,
-#: 64 rows 3.3e-7 / 1.2e-6 / 3.4e-6, the cascade 2.9e-7 / 8.4e-7 / 2.8e-6. So 64 rows:
-#: within 1.2x of the cascade for every pool (256 rows were 1.1-1.7x faster than the
-#: blocks with one thread, 64 rows are 1.05-1.3x where they are taken).
+#: Most rows torch's BatchNorm kernel sums in sequence for :func:`_kernel_column_sums` and the
+#: channels-last backward sums (:func:`_fold`). Its channels-last sums add the rows one after
+#: another, so their error grows with the rows. Max error vs float64 of GroupNorm from each way's
+#: sums, at ``|mean| / std`` 0, 1 and 2 (``benchmarks/column_sums.py --accuracy``): 32x64x56x56, 32
+#: groups, unfolded (3136 rows) 2.0e-6 / 6.5e-6 / 2.2e-5, folded to 224 rows 3.3e-7 / 1.0e-6 /
+#: 2.5e-6, to 64 rows 2.4e-7 / 7.9e-7 / 2.1e-6, torch's cascaded sums 3.4e-7 / 1.1e-6 / 2.8e-6;
+#: 32x32x32x32, 8 groups, 256 rows 1.9e-7 / 7.6e-7 / 2.1e-6 against the cascade's 1.3e-7 / 4.5e-7 /
+#: 1.5e-6. One group per channel (InstanceNorm) averages nothing over channels: 256 rows 4.6e-7 /
+#: 1.4e-6 / 5.2e-6, 64 rows 3.3e-7 / 1.2e-6 / 3.4e-6, the cascade 2.9e-7 / 8.4e-7 / 2.8e-6. So 64
+#: rows: within 1.2x of the cascade for every pool (256 rows were 1.1-1.7x faster than the blocks
+#: with one thread, 64 rows are 1.05-1.3x where they are taken).
 FOLD_ROWS = 64
 #: Fewest rows a fold may leave: below, the folded matrix is so wide that summing its
 #: folds costs more than it saves (and a prime ``L`` has no fold but ``L`` itself).
@@ -301,8 +301,8 @@ def _kernel_column_sums(cols: Tensor, fold: int = 1) -> tuple[Tensor, Tensor]:
     relative error of sums of squares, which kept BatchNorm within normkit's bound up to
     :data:`~normkit.kernels.native.CHANNELS_LAST_MAX_COUNT` rows; pooled over only a few
     channels, as GroupNorm does, the unfolded error at 56 x 56 positions was 5x the
-    cascade's. Folded to at most :data:`FOLD_ROWS` rows the error is the cascade's (see
-    there), at one call per sample as unfolded; which of this and
+    cascade's. Folded to at most :data:`FOLD_ROWS` rows the error is within 1.2x of the
+    cascade's (see there), at one call per sample as unfolded; which of this and
     :func:`_blocked_column_sums` is faster where: :func:`_blocks_of_samples`.
     """
     n, length, c = cols.shape
