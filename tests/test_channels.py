@@ -242,6 +242,45 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(
     assert_grad_close(x.grad, ref_x.grad, torch.float32, "input grad")
 
 
+@pytest.mark.parametrize("out", [False, True], ids=["allocated", "out="])
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False),
+                                  (False, True, True)], ids=["all", "dx", "params"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("kind", ["batch", "instance"])
+def test_nchw_backward_is_torchs_kernel_and_equals_float64(monkeypatch, kind, affine, mask,
+                                                           out):
+    """Contiguous input, pooled per channel or per slice: the backward is torch's
+    BatchNorm backward kernel from the saved statistics (the slice sums are never taken),
+    into a fresh or an ``out=`` (huge-page) tensor; every gradient asked for equals
+    float64 autograd of torch's BatchNorm / InstanceNorm."""
+    monkeypatch.setattr(channels, "_backward_sums", lambda *a: pytest.fail("slice sums"))
+    if out:
+        monkeypatch.setattr(channels, "out_like", lambda t: torch.empty_like(t))
+    gen = torch.Generator().manual_seed(5)
+    x64 = torch.randn(4, 6, 7, 9, generator=gen, dtype=torch.float64).add_(0.75)
+    w64 = torch.randn(6, generator=gen, dtype=torch.float64) if affine else None
+    dy64 = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
+    x, w, dy = x64.float(), None if w64 is None else w64.float(), dy64.float()
+    pool = channels.Pool(kind)
+    mean, _, rstd = channels.moments(x, pool, 1e-5)
+    mask = (mask[0], mask[1] and affine, mask[2])
+    got = channels.backward(dy, x, mean, rstd, w, pool, mask)
+    leaves = [x64.clone().requires_grad_(), None if w64 is None else w64.clone(),
+              torch.zeros(6, dtype=torch.float64)]
+    leaves = [t if t is None else t.requires_grad_() for t in leaves]
+    ref = (torch.nn.functional.batch_norm(leaves[0], None, None, *leaves[1:], True, eps=1e-5)
+           if kind == "batch" else
+           torch.nn.functional.instance_norm(leaves[0], weight=leaves[1], bias=leaves[2],
+                                             eps=1e-5))
+    ref.backward(dy64)
+    for g, leaf, need, what in zip(got, leaves, mask, ("dx", "dweight", "dbias"), strict=True):
+        if not need:
+            assert g is None, what
+            continue
+        assert g.shape == leaf.shape and g.dtype == torch.float32, what
+        assert_grad_close(g, leaf.grad, torch.float32, what)
+
+
 def test_engine_supports_only_what_it_serves():
     x = torch.randn(2, 3, 8, 8)
     assert channels.supports(x)

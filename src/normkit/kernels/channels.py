@@ -11,11 +11,15 @@ IN keeps each slice alone, GN pools the ``C / G`` consecutive channels of a samp
 * the elementwise work is one pass forward, ``y = x * a + b`` with per-slice ``a, b``,
   and two backward, ``dx = k1 * dy + k2 * x + k3``.
 
-Contiguous (NCHW) input: the forward slice sums and the backward sums come from torch's
-BatchNorm backward kernel run on the ``(1, N*C, L)`` view (each slice a "channel",
-reductions only, both sums in one read; :func:`_row_sums`), and every per-slice
-affine pass is torch's inference BatchNorm kernel on that view (torch's own NCHW
-BatchNorm and InstanceNorm statistics kernels are 2-3x slower). Channels-last input: the
+Contiguous (NCHW) input: the forward slice sums come from torch's BatchNorm backward
+kernel run on the ``(1, N*C, L)`` view (each slice a "channel", reductions only, both
+sums in one read; :func:`_row_sums`), and every per-slice affine pass is torch's
+inference BatchNorm kernel on that view (torch's own NCHW BatchNorm and InstanceNorm
+statistics kernels are 2-3x slower). The backward of BatchNorm and InstanceNorm is that
+kernel's full backward from the saved statistics, on ``x`` or on the ``(1, N*C, L)``
+view (:func:`_kernel_backward`: it finishes each channel while the channel is in cache);
+GroupNorm's per-channel weight varies inside a group, so its backward takes the sums and
+the two elementwise passes. Channels-last input: the
 forward sums are column sums of each sample's ``(L, C)`` matrix, vectorized across the
 channels, on the tensor as it is -- from torch's BatchNorm backward kernel on the matrix
 folded to at most ``FOLD_ROWS`` rows (:func:`_kernel_column_sums`), or with more than
@@ -443,6 +447,8 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
         True
     """
     n, c = x.shape[:2]
+    if x.is_contiguous() and pool.kind != "group":
+        return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
     s1, sx = _backward_sums(dy, x, mean)
     dx = dw = db = None
     if mask[1]:
@@ -463,6 +469,42 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
         else:
             dx.addcmul_(x, k2.view((-1, c) + (1,) * (x.dim() - 2)))
     return dx, dw, db
+
+
+def _kernel_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+                     weight: Tensor | None, pool: Pool, mask: tuple[bool, bool, bool]
+                     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`backward` of contiguous input pooled per channel (BatchNorm) or per slice
+    (InstanceNorm): torch's BatchNorm backward kernel on ``x`` -- or, per slice, on its
+    ``(1, N*C, L)`` view, each slice a channel -- from the saved statistics.
+
+    That kernel runs channel by channel: the two sums, in double across the batch, then
+    ``dx`` while the channel's ``dy`` and ``x`` are still in cache -- one pass over memory
+    where the sums and a two-step ``k1 dy + k3``, ``+= k2 x`` make three.
+    """
+    n, c = x.shape[:2]
+    g = dy.contiguous()
+    if pool.kind == "batch":
+        inputs = (g, x, weight, mean.reshape(c), rstd.reshape(c))
+    else:
+        inputs = (g.view(1, n * c, -1), x.view(1, n * c, -1),
+                  None if weight is None else weight.repeat(n), mean.reshape(n * c),
+                  rstd.reshape(n * c))
+    g, v, w, m, r = inputs
+    out = out_like(v) if mask[0] else None
+    if out is None:
+        dx, dw, db = _ATEN.native_batch_norm_backward(g, v, w, None, None, m, r, True, 0.0,
+                                                      list(mask))
+    else:  # (large: huge pages for dx, kernels.memory; the out= overload needs all three)
+        dw, db = (m.new_empty(m.shape) for _ in range(2))
+        dx, dw, db = _ATEN.native_batch_norm_backward.out(
+            g, v, w, None, None, m, r, True, 0.0, [True, True, True], out0=out, out1=dw,
+            out2=db)
+    dx = dx.view(x.shape) if mask[0] else None
+    if pool.kind == "instance":
+        dw = dw.view(n, c).sum(0) if mask[1] else None
+        db = db.view(n, c).sum(0) if mask[2] else None
+    return dx, (dw if mask[1] else None), (db if mask[2] else None)
 
 
 #: Fewest positions per slice from which channels-last GroupNorm takes this engine.
