@@ -2,7 +2,8 @@
 
 For each family, a float32 input with mean ``offset`` and standard deviation 1 is
 normalized by normkit and by torch.nn (training-mode statistics), and both outputs
-are compared with the float64 computation on the *same* float32 input. Prints a
+are compared with the float64 computation on the *same* float32 input; so are the
+input gradients for one random upstream gradient (standard deviation 1). Prints a
 Markdown table (max absolute error); ``--json`` writes the numbers.
 
 Run: ``python benchmarks/accuracy.py [--json FILE]``
@@ -54,35 +55,49 @@ def _families(c: int, last: int):
     ]
 
 
+def _output_and_grad(module: nn.Module, x: torch.Tensor, dy: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.detach().requires_grad_()
+    y = module(x)
+    y.backward(dy.to(y.dtype))
+    return y.detach().double(), x.grad.double()
+
+
 def measure(seed: int = 0) -> list[dict]:
-    """Max |output - float64 reference| per shape, family and offset, normkit and torch."""
+    """Max |output - float64 reference| and max |input grad - float64 reference| per
+    shape, family and offset, normkit and torch."""
     rows = []
     gen = torch.Generator().manual_seed(seed)
+    # (the upstream gradients from their own stream: the inputs stay those of seed)
+    grad_gen = torch.Generator().manual_seed(seed + 1)
     for shape in SHAPES:
         for name, make, channels_last in _families(shape[1], shape[-1]):
             for offset in OFFSETS:
                 x = (torch.randn(shape, generator=gen, dtype=torch.float64) + offset).float()
                 if channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
+                dy = torch.randn(shape, generator=grad_gen, dtype=torch.float64)
                 ours, theirs = make()
                 reference = make()[1].double()
-                with torch.no_grad():
-                    # (a contiguous float64 input: torch's channels-last kernels sum
-                    # sequentially and unshifted, which costs float64 ~1e-5 at offset 1e5)
-                    exact = reference(x.double().contiguous())
-                    err_ours = float((ours(x).double() - exact).abs().max())
-                    err_torch = float((theirs(x).double() - exact).abs().max())
-                rows.append({"shape": "x".join(map(str, shape)), "layer": name,
-                             "offset": offset, "normkit": err_ours, "torch": err_torch})
+                # (a contiguous float64 input: torch's channels-last kernels sum
+                # sequentially and unshifted, which costs float64 ~1e-5 at offset 1e5)
+                exact, exact_dx = _output_and_grad(reference, x.double().contiguous(), dy)
+                row = {"shape": "x".join(map(str, shape)), "layer": name, "offset": offset}
+                for who, module in (("normkit", ours), ("torch", theirs)):
+                    y, dx = _output_and_grad(module, x, dy)
+                    row[who] = float((y - exact).abs().max())
+                    row[who + "_dx"] = float((dx - exact_dx).abs().max())
+                rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| shape | layer | offset | normkit max error | torch.nn max error |",
-             "|---|---|---:|---:|---:|"]
+    lines = ["| shape | layer | offset | normkit max error | torch.nn max error "
+             "| normkit input grad | torch.nn input grad |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['layer']} | {r['offset']:g} | {r['normkit']:.1e} "
-                     f"| {r['torch']:.1e} |")
+                     f"| {r['torch']:.1e} | {r['normkit_dx']:.1e} | {r['torch_dx']:.1e} |")
     return "\n".join(lines)
 
 

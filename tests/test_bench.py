@@ -7,6 +7,7 @@ tiny shapes, two rounds, no minimum measurement time and a 1 MiB copy buffer.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -674,3 +675,25 @@ def test_gpu_check_script_rehearses_on_the_cpu(tmp_path):
     assert "| BatchNorm2d" in (out / "RESULTS-gpu.md").read_text()
     targets = (out / "targets-gpu.md").read_text()
     assert targets.startswith("## Issue #6 targets") and "results-gpu-widths.json" in targets
+
+
+def test_accuracy_script_measures_outputs_and_input_gradients(monkeypatch):
+    """benchmarks/accuracy.py (ACCURACY.md): on a small shape every family's row holds the
+    output and input-gradient errors of normkit and torch against float64; normkit stays
+    within 1e-5 at every offset, torch's LayerNorm loses its digits far from zero."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("accuracy_script",
+                                                  root / "benchmarks" / "accuracy.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "SHAPES", ((4, 8, 5, 6),))
+    rows = script.measure()
+    assert len(rows) == len(script._families(8, 6)) * len(script.OFFSETS)
+    for row in rows:
+        for key in ("normkit", "torch", "normkit_dx", "torch_dx"):
+            assert math.isfinite(row[key]) and row[key] >= 0, (row, key)
+        assert row["normkit"] < 1e-5 and row["normkit_dx"] < 1e-5, row
+    far = [r for r in rows if r["layer"].startswith("LayerNorm (") and r["offset"] == 1e5]
+    assert far and far[0]["torch"] > 1e-3 and far[0]["torch_dx"] > 1e-3, far
+    table = script.markdown(rows)
+    assert "| normkit input grad | torch.nn input grad |" in table.splitlines()[0]
