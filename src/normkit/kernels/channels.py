@@ -433,7 +433,8 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
     With per-slice ``S1 = sum dy`` and ``Sx = sum dy (x - mean)``: ``dbias = sum_n S1``,
     ``dweight = sum_n rstd Sx``, and ``dx = rstd gamma dy - rstd A - rstd^2 B (x - mean)``
     with the group means ``A = mean_g(gamma S1)``, ``B = mean_g(gamma rstd Sx)``, applied
-    as ``dx = k1 dy + k2 x + k3``.
+    as ``dx = k1 dy + k2 x + k3``. Contiguous input pooled per channel or per slice
+    computes the same with torch's BatchNorm backward kernel (:func:`_kernel_backward`).
 
     Example:
         >>> x = torch.randn(2, 4, 5, 5, dtype=torch.float64, requires_grad=True)
