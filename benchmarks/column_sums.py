@@ -18,8 +18,9 @@ second table times the contiguous (NCHW) case: a row sum plus a row ``vector_nor
 against torch's BatchNorm backward kernel on the ``(1, N*C, L)`` view (``_row_sums``).
 
 Run: ``python benchmarks/column_sums.py [--threads 1 2] [--repeats 9]
-[--block-bytes 262144 1048576]`` (under a minute per block size), or ``--accuracy`` for
-the errors behind ``FOLD_ROWS``.
+[--block-bytes 262144 1048576]`` (under a minute per block size), ``--accuracy`` for
+the errors behind ``FOLD_ROWS``, or ``--folds`` for the kernel's time and BatchNorm's
+error at every fold (the table behind ``FOLD_ROWS_BATCH``).
 """
 
 from __future__ import annotations
@@ -186,6 +187,48 @@ def accuracy() -> None:
                   + " | ".join(f"{e:.1e}" for e in errs) + " |")
 
 
+#: Channels-last BatchNorm shapes of the fold table (more than 8192 values per channel:
+#: the engine's, not torch's kernel).
+FOLD_SHAPES = [(32, 64, 56, 56), (8, 32, 128, 128), (32, 128, 28, 28)]
+
+
+def folds(threads: list[int], repeats: int) -> None:
+    """Print, per channels-last shape, the time of torch's BatchNorm kernel sums at every
+    fold leaving 16 or more rows (and of the blocks), and the relative error of the
+    BatchNorm variance pooled from each fold's sums (input ``randn + 1.5``)."""
+    print("Channels-last BatchNorm sums: ms per call of the kernel at each fold (rows in "
+          "sequence x columns), and of the blocks; then the max relative error of the "
+          "pooled variance vs float64\n")
+    print("| threads | shape | way | ms | variance rel. error |")
+    print("|---:|---|---|---:|---:|")
+    for threads_now in threads:
+        torch.set_num_threads(threads_now)
+        for shape in FOLD_SHAPES:
+            x64 = torch.randn(shape, generator=torch.Generator().manual_seed(0),
+                              dtype=torch.float64).add_(1.5)
+            x = x64.float().contiguous(memory_format=torch.channels_last)
+            cols = channels._columns(x)
+            n, length, c = cols.shape
+            exact = x64.var((0, 2, 3), correction=0)
+            ways = {f"kernel, {length // k} x {k * c}": (
+                lambda k=k, cols=cols: channels._kernel_column_sums(cols, k))
+                for k in range(1, length // channels.FOLD_MIN_ROWS + 1) if length % k == 0
+                and k in (1, 2, 4, 7, 8, 14, 16, 28, 49, 64, 256)}
+            ways["blocks"] = lambda cols=cols: channels._blocked_column_sums(cols)
+            times: dict[str, list[float]] = {name: [] for name in ways}
+            for fn in ways.values():
+                fn()  # warm-up
+            for _ in range(repeats):  # round-robin
+                for name, fn in ways.items():
+                    times[name].append(_time(fn))
+            for name, fn in ways.items():
+                s1, s2 = (t.double().sum(0) for t in fn())
+                mean = s1 / (n * length)
+                err = ((s2 / (n * length) - mean * mean - exact).abs() / exact).max().item()
+                print(f"| {threads_now} | {'x'.join(map(str, shape))} | {name} | "
+                      f"{statistics.median(times[name]) * 1e3:.2f} | {err:.1e} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -195,9 +238,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="block sizes per thread to time (default: the library's)")
     parser.add_argument("--accuracy", action="store_true",
                         help="print the error of each way's sums instead of timing them")
+    parser.add_argument("--folds", action="store_true",
+                        help="time torch's kernel sums at every fold (BatchNorm) instead")
     args = parser.parse_args(argv)
     if args.accuracy:
         accuracy()
+        return
+    if args.folds:
+        folds(args.threads, args.repeats)
         return
     sizes = args.block_bytes
     print(f"torch {torch.__version__}, COLUMN_BLOCK_BYTES = {channels.COLUMN_BLOCK_BYTES}; "

@@ -191,6 +191,14 @@ def test_fold_views_at_most_fold_rows_in_sequence():
     for length in (300, 576, 3136, 16384, 12544):
         k = channels._fold(length)
         assert length % k == 0 and channels.FOLD_MIN_ROWS <= length // k <= channels.FOLD_ROWS
+    # BatchNorm pools every sample's sums: longer runs, narrower folded matrices
+    assert channels.FOLD_ROWS_BATCH == 256
+    assert channels._fold(56 * 56, channels.FOLD_ROWS_BATCH) == 14  # 224 rows
+    assert channels._fold(24 * 24, channels.FOLD_ROWS_BATCH) == 3  # 192 rows
+    assert channels._fold(200, channels.FOLD_ROWS_BATCH) == 1
+    assert channels._fold_rows(channels.Pool("batch")) == channels.FOLD_ROWS_BATCH
+    for pool in (channels.Pool("instance"), channels.Pool("group", 2)):
+        assert channels._fold_rows(pool) == channels.FOLD_ROWS
 
 
 @pytest.mark.parametrize("threads, block_bytes, way", [
@@ -202,8 +210,8 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(
         monkeypatch, name, threads, block_bytes, way):
     """Channels-last input with more positions than FOLD_ROWS: the statistics come from
     each sample's folded matrix where a cache block holds fewer than two samples (one
-    per thread), else from cache blocks; the backward sums always fold. Output and every
-    gradient equal the float64 reference either way."""
+    per thread) or for BatchNorm with one thread, else from cache blocks; the backward
+    sums always fold. Output and every gradient equal the float64 reference either way."""
     if block_bytes is not None:
         monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", block_bytes)
     calls = []
@@ -230,7 +238,10 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(
     finally:
         torch.set_num_threads(before)
     assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
-    assert calls == ([channels._fold(24 * 24)] if way == "folded kernel" else []), calls
+    rows = channels.FOLD_ROWS_BATCH if name == "bn-cl" else channels.FOLD_ROWS
+    # (BatchNorm with one thread always folds: 256-row folds beat the blocks there)
+    kernel = way == "folded kernel" or (name == "bn-cl" and threads == 1)
+    assert calls == ([channels._fold(24 * 24, rows)] if kernel else []), calls
     twin = make().double()
     twin.load_state_dict(module.state_dict())
     if name == "bn-cl":  # the reference in the module's mode before the call (training)

@@ -159,9 +159,9 @@ def _slice_sums(x: Tensor, pool: Pool) -> tuple[Tensor, Tensor]:
         s1, s2 = _row_sums(x.view(1, n * c, -1))
         return s1.view(n, c), s2.view(n, c)
     cols = _columns(x)  # (N, L, C)
-    if _blocks_of_samples(cols):
+    if _blocks_of_samples(cols, pool):
         return _blocked_column_sums(cols)
-    fold = _fold(cols.shape[1])
+    fold = _fold(cols.shape[1], _fold_rows(pool))
     if fold is not None:
         return _kernel_column_sums(cols, fold)
     if pool.kind == "batch" and cols.shape[1] <= CHANNELS_LAST_MAX_COUNT:
@@ -186,7 +186,7 @@ def _row_sums(rows: Tensor) -> tuple[Tensor, Tensor]:
     return s1, s2
 
 
-def _blocks_of_samples(cols: Tensor) -> bool:
+def _blocks_of_samples(cols: Tensor, pool: Pool) -> bool:
     """Whether :func:`_blocked_column_sums` takes ``(N, L, C)`` in blocks of at least two
     whole samples, and one per thread: there it beats the folded kernel sums, which cost
     one call per sample (``benchmarks/column_sums.py``, two runs each: with one thread
@@ -195,8 +195,12 @@ def _blocks_of_samples(cols: Tensor) -> bool:
     two threads, measured with 256-row folds, blocks of whole samples were 1.1-1.75x
     faster at 56 x 56 and 14 x 14 -- fewer rows per fold only slow the kernel -- and
     where a sample overflows a thread's block the kernel is faster than the whole-tensor
-    way the blocks fall back to)."""
+    way the blocks fall back to). Except BatchNorm with one thread: its sums fold to
+    :data:`FOLD_ROWS_BATCH` rows, and so folded the kernel was 1.2-1.4x faster than the
+    blocks at 28 x 28, 56 x 56 and 128 x 128 (``column_sums.py --folds``)."""
     threads = torch.get_num_threads()
+    if pool.kind == "batch" and threads == 1:
+        return False
     n, length, c = cols.shape
     step = COLUMN_BLOCK_BYTES * threads // max(length * c * cols.element_size(), 1)
     return step >= max(threads, 2)
@@ -214,15 +218,29 @@ def _blocks_of_samples(cols: Tensor) -> bool:
 #: rows: within 1.2x of the cascade for every pool (256 rows were 1.1-1.7x faster than the blocks
 #: with one thread, 64 rows are 1.05-1.3x where they are taken).
 FOLD_ROWS = 64
+#: Most rows in sequence for BatchNorm's sums, which pool every sample's. Relative error
+#: of the pooled variance (``|mean| / std`` 1.5) at 32x64x56x56: 2.6e-7 at 224 rows, 1.5e-7
+#: at 64, 1.8e-7 from the blocks, 2.2e-6 unfolded (3136 rows); at 8x32x128x128 2.2e-7 at
+#: 256 rows. The kernel's sums at 224 rows (896 columns) took 1.2x less time than at 64
+#: (3136 columns: its per-column accumulators leave the L1 cache), at 256 rows of
+#: 128 x 128 1.35-1.4x less than at 64, with 1 and 2 threads
+#: (``benchmarks/column_sums.py --folds``).
+FOLD_ROWS_BATCH = 256
 #: Fewest rows a fold may leave: below, the folded matrix is so wide that summing its
 #: folds costs more than it saves (and a prime ``L`` has no fold but ``L`` itself).
 FOLD_MIN_ROWS = 16
 
 
+def _fold_rows(pool: Pool) -> int:
+    """The most rows :func:`_fold` leaves for sums pooled by ``pool``."""
+    return FOLD_ROWS_BATCH if pool.kind == "batch" else FOLD_ROWS
+
+
 @functools.lru_cache(maxsize=256)
-def _fold(length: int) -> int | None:
-    """The smallest ``k`` dividing ``length`` with ``length / k <= FOLD_ROWS`` rows, when
-    those rows are at least :data:`FOLD_MIN_ROWS`; else ``None``.
+def _fold(length: int, rows: int = FOLD_ROWS) -> int | None:
+    """The smallest ``k`` dividing ``length`` with ``length / k <= rows`` rows
+    (:data:`FOLD_ROWS` by default), when those rows are at least :data:`FOLD_MIN_ROWS`;
+    else ``None``.
 
     An ``(L, C)`` matrix viewed as ``(L / k, k * C)`` (the same memory) has rows of ``k``
     consecutive positions: torch's BatchNorm kernel then sums ``L / k`` rows in sequence
@@ -231,8 +249,10 @@ def _fold(length: int) -> int | None:
     Example:
         >>> _fold(3136), _fold(64), _fold(4099)  # 56 x 56, 8 x 8, a prime
         (49, 1, None)
+        >>> _fold(3136, FOLD_ROWS_BATCH)  # 224 rows
+        14
     """
-    for k in range(max(1, -(-length // FOLD_ROWS)), length // FOLD_MIN_ROWS + 1):
+    for k in range(max(1, -(-length // rows)), length // FOLD_MIN_ROWS + 1):
         if length % k == 0:
             return k
     return None
@@ -395,7 +415,8 @@ def affine(x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,
     return _slice_affine(x, scale, shift)
 
 
-def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]:
+def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
+                   ) -> tuple[Tensor, Tensor]:
     """``(N, C)`` per-slice ``sum dy`` and ``sum dy (x - mean)``."""
     n, c = x.shape[:2]
     if x.is_contiguous():
@@ -411,7 +432,7 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]
     # folded as the forward's sums are (_kernel_column_sums: the same rows in sequence)
     cols_dy, cols_x = _columns(dy), _columns(x)  # (N, L, C)
     length = cols_x.shape[1]
-    fold = _fold(length) or 1
+    fold = _fold(length, _fold_rows(pool)) or 1
     shape = (n, length // fold, fold * c)
     unit = torch.ones(fold * c, dtype=x.dtype, device=x.device)
     means = mean.expand(n, c).repeat(1, fold)
@@ -450,7 +471,7 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
     n, c = x.shape[:2]
     if x.is_contiguous() and pool.kind != "group":
         return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
-    s1, sx = _backward_sums(dy, x, mean)
+    s1, sx = _backward_sums(dy, x, mean, pool)
     dx = dw = db = None
     if mask[1]:
         dw = (rstd * sx).sum(0)
