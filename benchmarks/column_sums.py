@@ -48,6 +48,18 @@ def _time(fn, calls: int = 3) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def _round_robin_ms(fns, repeats: int) -> list[float]:
+    """Median ms per call of each of ``fns``: one warm-up call each, then ``repeats``
+    rounds that time every function once, in turn."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()  # warm-up
+    for _ in range(repeats):  # round-robin
+        for fn, into in zip(fns, times, strict=True):
+            into.append(_time(fn))
+    return [statistics.median(t) * 1e3 for t in times]
+
+
 def _blocks(cols: torch.Tensor, block_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     saved = channels.COLUMN_BLOCK_BYTES
     channels.COLUMN_BLOCK_BYTES = block_bytes
@@ -74,13 +86,7 @@ def measure(shape: tuple[int, ...], repeats: int, sizes: list[int]
         diff = max(diff, *(((u - v).abs() / v.abs().clamp_min(1e-30)).max().item()
                            for u, v in zip(ref, folded, strict=True)))
         fns.append(lambda: channels._kernel_column_sums(cols, fold))
-    times: list[list[float]] = [[] for _ in fns]
-    for fn in fns:
-        fn()  # warm-up
-    for _ in range(repeats):  # round-robin
-        for fn, into in zip(fns, times, strict=True):
-            into.append(_time(fn))
-    medians = [statistics.median(t) * 1e3 for t in times]
+    medians = _round_robin_ms(fns, repeats)
     if fold is None:
         medians.append(float("nan"))
     return medians[0], medians[1:], diff
@@ -100,14 +106,9 @@ def rows_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def measure_rows(shape: tuple[int, ...], repeats: int) -> tuple[float, float]:
     """``(row sum + vector_norm ms, kernel ms)`` for contiguous ``shape``."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).add_(1.0)
-    times: list[list[float]] = [[], []]
-    fns = (lambda: rows_whole(x), lambda: rows_kernel(x))
-    for fn in fns:
-        fn()
-    for _ in range(repeats):
-        for fn, into in zip(fns, times, strict=True):
-            into.append(_time(fn))
-    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
+    whole_ms, kernel_ms = _round_robin_ms((lambda: rows_whole(x), lambda: rows_kernel(x)),
+                                         repeats)
+    return whole_ms, kernel_ms
 
 
 def _batch_norm_error(x: torch.Tensor, sums: tuple[torch.Tensor, torch.Tensor],
@@ -215,18 +216,14 @@ def folds(threads: list[int], repeats: int) -> None:
                 for k in range(1, length // channels.FOLD_MIN_ROWS + 1) if length % k == 0
                 and k in (1, 2, 4, 7, 8, 14, 16, 28, 49, 64, 256)}
             ways["blocks"] = lambda cols=cols: channels._blocked_column_sums(cols)
-            times: dict[str, list[float]] = {name: [] for name in ways}
-            for fn in ways.values():
-                fn()  # warm-up
-            for _ in range(repeats):  # round-robin
-                for name, fn in ways.items():
-                    times[name].append(_time(fn))
+            times = dict(zip(ways, _round_robin_ms(list(ways.values()), repeats),
+                             strict=True))
             for name, fn in ways.items():
                 s1, s2 = (t.double().sum(0) for t in fn())
                 mean = s1 / (n * length)
                 err = ((s2 / (n * length) - mean * mean - exact).abs() / exact).max().item()
                 print(f"| {threads_now} | {'x'.join(map(str, shape))} | {name} | "
-                      f"{statistics.median(times[name]) * 1e3:.2f} | {err:.1e} |")
+                      f"{times[name]:.2f} | {err:.1e} |")
 
 
 def main(argv: list[str] | None = None) -> None:
