@@ -323,12 +323,17 @@ def test_engine_output_can_be_modified_in_place():
         torch.testing.assert_close(grads[0], grads[1], atol=2e-5, rtol=2e-5)
 
 
-def test_small_channels_last_group_norm_keeps_torchs_kernels_under_the_bound(monkeypatch):
+@pytest.mark.parametrize("min_elements", [0, 1 << 30], ids=["engine-size", "below-engine-size"])
+def test_small_channels_last_group_norm_keeps_torchs_kernels_under_the_bound(monkeypatch,
+                                                                             min_elements):
     """Below GROUP_NORM_MIN_POSITIONS torch's channels-last kernels serve both passes,
-    under the engine's |mean| / std rule (their forward has the same sums)."""
+    under the engine's |mean| / std rule (their forward has the same sums), also on
+    inputs too small for the engine (no copies to NCHW and back)."""
     monkeypatch.setattr(channels, "GROUP_NORM_MIN_POSITIONS", 1 << 30)
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", min_elements)
     module, twin, x, y, x64, ref = _run("gn-cl", 0.85 * channels.RATIO * 1.5, torch.float32)
     assert "NativeGroupNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    assert y.is_contiguous(memory_format=torch.channels_last)
     assert_close(y, ref, torch.float32)
     assert_grad_close(x.grad, x64.grad, torch.float32, "input grad")
     y = module(_input("gn-cl", 3.0 * channels.RATIO * 1.5))

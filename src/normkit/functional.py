@@ -14,6 +14,7 @@ are never replaced silently.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Sequence
 
@@ -103,7 +104,7 @@ def _use_triton(backend: str, x: Tensor, supported, op: str) -> bool:
 
 def _off_cpu(x: Tensor) -> bool:
     """Whether ``x`` lives on an accelerator (CUDA, or any device but the CPU)."""
-    return x.device.type != "cpu"
+    return not x.is_cpu
 
 
 def _torch_kernels(backend: str, x: Tensor) -> bool:
@@ -388,6 +389,12 @@ def instance_norm(
 
 
 def _as_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    if type(normalized_shape) is tuple:  # what torch's modules store: returned as it is
+        for size in normalized_shape:
+            if type(size) is not int:
+                break
+        else:
+            return normalized_shape
     if isinstance(normalized_shape, numbers.Integral):
         return (int(normalized_shape),)
     return tuple(int(s) for s in normalized_shape)
@@ -396,13 +403,13 @@ def _as_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
 def _check_trailing(x: Tensor, shape: tuple[int, ...], who: str,
                     **params: Tensor | None) -> None:
     check_floating(x, who)
-    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
+    if x.dim() < len(shape) or x.shape[x.dim() - len(shape):] != shape:
         raise ValueError(
             f"{who} expected input of shape (*, {', '.join(map(str, shape))}) to match "
             f"normalized_shape={list(shape)}, got input of shape {shape_str(x)}"
         )
     for name, t in params.items():
-        if t is not None and tuple(t.shape) != shape:
+        if t is not None and t.shape != shape:
             raise ValueError(
                 f"{who} expected {name} of shape {shape} (normalized_shape), got "
                 f"{name} of shape {shape_str(t)}"
@@ -436,7 +443,6 @@ def layer_norm(
     """
     shape = _as_shape(normalized_shape)
     _check_trailing(input, shape, "layer_norm", weight=weight, bias=bias)
-    dims = tuple(range(input.dim() - len(shape), input.dim()))
     if input.numel() == 0:
         return _empty_result(input, weight, bias)
     if _use_triton(backend, input, lambda: tk.supports_layer_norm(input, shape, weight, bias),
@@ -454,7 +460,14 @@ def layer_norm(
         elif library.serves_layer_norm(input, weight, bias):
             # torch.compile: the same path as one opaque operator (kernels.library)
             return library.layer_norm(input, shape, weight, bias, eps)
+    dims = tuple(range(input.dim() - len(shape), input.dim()))
     return normalize(input, dims, weight, bias, eps, backend=backend)[0]
+
+
+@functools.cache
+def _machine_eps(dtype: torch.dtype) -> float:
+    """RMSNorm's default ``eps``: the machine epsilon of ``dtype``'s compute dtype."""
+    return torch.finfo(_stats.compute_dtype(dtype)).eps
 
 
 def rms_norm(
@@ -480,8 +493,7 @@ def rms_norm(
     shape = _as_shape(normalized_shape)
     _check_trailing(input, shape, "rms_norm", weight=weight)
     if eps is None:
-        eps = torch.finfo(_stats.compute_dtype(input.dtype)).eps
-    dims = tuple(range(input.dim() - len(shape), input.dim()))
+        eps = _machine_eps(input.dtype)
     if input.numel() == 0:
         return _empty_result(input, weight, None)
     if _use_triton(backend, input, lambda: tk.supports_rms_norm(input, shape, weight),
@@ -493,6 +505,7 @@ def rms_norm(
         return torch.nn.functional.rms_norm(input, shape, weight, eps)
     if check_backend(backend) == "reference" or compiling() or not input.is_contiguous():
         # (the strided path keeps the input's memory format in the output)
+        dims = tuple(range(input.dim() - len(shape), input.dim()))
         return normalize(input, dims, weight, None, eps, center=False, backend=backend)[0]
     if _small_rows(input, backend, weight):
         return torch.nn.functional.rms_norm(input, shape, weight, eps)
@@ -654,15 +667,19 @@ def group_norm(
 def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
                               bias: Tensor | None, eps: float) -> Tensor | None:
     """GroupNorm of channels-last input without copies: torch's kernels both ways below
-    :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS` positions, the slice-sums
-    engine from there up (see there why); ``None`` when the data are ill-conditioned."""
-    if not channels.supports(x, weight, bias):
-        return None
+    :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS` positions (at any size:
+    on small inputs the copies to NCHW and back cost more than the kernel), the
+    slice-sums engine from there up (see there why); ``None`` when the data are
+    ill-conditioned or neither serves them."""
     if x.shape[2:].numel() < channels.GROUP_NORM_MIN_POSITIONS:
+        if not channels.wide(x, weight, bias):
+            return None
         n, c = x.shape[:2]
         y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(),
                                                 groups, eps)
         return y if native.well_conditioned(mean, rstd, channels.RATIO) else None
+    if not channels.supports(x, weight, bias):
+        return None
     per_group = x.shape[1] // groups
     pview = (1, groups, per_group) + (1,) * (x.dim() - 2)
 

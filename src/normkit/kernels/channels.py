@@ -52,8 +52,8 @@ from torch import Tensor
 from .memory import empty_like, out_like
 from .native import CHANNELS_LAST_MAX_COUNT, reference_grads, well_conditioned
 
-__all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "supports", "moments", "affine",
-           "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "serves_batch_norm"]
+__all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "wide", "supports", "moments",
+           "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "serves_batch_norm"]
 
 #: Largest pooled ``|mean| / std`` for which ``E[x^2] - E[x]^2`` from float32 sums is kept.
 RATIO = 2.0
@@ -129,6 +129,16 @@ def serves_batch_norm(x: Tensor) -> bool:
     return _channels_last(x) and x.numel() // max(x.shape[1], 1) > CHANNELS_LAST_MAX_COUNT
 
 
+def wide(x: Tensor, *params: Tensor | None) -> bool:
+    """Whether ``x`` is float32 or float64 and every given parameter has its dtype.
+
+    Example:
+        >>> wide(torch.randn(2, 3), torch.ones(3)), wide(torch.randn(2, 3).half())
+        (True, False)
+    """
+    return x.dtype in _WIDE and all(p is None or p.dtype == x.dtype for p in params)
+
+
 def supports(x: Tensor, *params: Tensor | None) -> bool:
     """Whether this engine serves ``x``: float32/float64, parameters of the same dtype,
     contiguous or channels-last, at least :data:`MIN_POSITIONS` positions per slice and
@@ -138,9 +148,7 @@ def supports(x: Tensor, *params: Tensor | None) -> bool:
         >>> supports(torch.randn(32, 16, 32, 32)), supports(torch.randn(2, 3, 8, 8))
         (True, False)
     """
-    if x.dtype not in _WIDE or x.dim() < 3 or x.numel() == 0 or x.numel() < MIN_ELEMENTS:
-        return False
-    if any(p is not None and p.dtype != x.dtype for p in params):
+    if x.dim() < 3 or x.numel() == 0 or x.numel() < MIN_ELEMENTS or not wide(x, *params):
         return False
     if x.shape[2:].numel() < MIN_POSITIONS:
         return False

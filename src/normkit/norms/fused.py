@@ -529,7 +529,7 @@ def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual
     _check_add_inputs(x, residual, shape, who, weight=weight, bias=bias)
     res_dtype = _residual_dtype(x, residual, residual_in_fp32)
     if eps is None:  # torch's RMSNorm rule, for the dtype of the normalized sum
-        eps = torch.finfo(_stats.compute_dtype(res_dtype)).eps
+        eps = F._machine_eps(res_dtype)
     if _reference_backend(backend) or x.numel() == 0:
         s = x.to(res_dtype) if residual is None else x.to(res_dtype) + residual.to(res_dtype)
         dims = tuple(range(s.dim() - len(shape), s.dim()))
