@@ -182,6 +182,44 @@ def test_layer_norm2d_nchw_fast_path(monkeypatch):
     torch.autograd.gradgradcheck(lambda *a: F.layer_norm2d(*a), (x64, w64, b64))
 
 
+@pytest.mark.parametrize(("affine", "wanted"), [
+    (affine, wanted) for affine in ("weight+bias", "weight", "bias", "none")
+    for wanted in ("all", "params", "input") if (affine, wanted) != ("none", "params")])
+def test_layer_norm2d_nchw_backward_every_affine_and_mask(affine, wanted, monkeypatch):
+    """The per-sample path's backward (parameter sums from torch's BatchNorm backward
+    kernel on ``(dy, xhat)``, input gradient per sample) for every affine and every set of
+    requested gradients, against float64 autograd."""
+    from oracle import assert_grad_close
+
+    from normkit.kernels import native
+
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS", (0, 0))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 6, 5, 7, generator=gen) * 2.0 + 1.5
+    w = torch.randn(6, generator=gen) if "weight" in affine else None
+    b = torch.randn(6, generator=gen) if "bias" in affine else None
+    leaves = [t for t in (x, w, b) if t is not None]
+    if wanted == "params":
+        leaves = leaves[1:]
+    elif wanted == "input":
+        leaves = leaves[:1]
+    for t in leaves:
+        t.requires_grad_()
+    y = F.layer_norm2d(x, w, b)
+    assert "ColumnNorm" in _path(y), _path(y)
+    dy = torch.randn(y.shape, generator=gen)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_in = {id(t): t.detach().double().requires_grad_(t.requires_grad) if t is not None else None
+              for t in (x, w, b)}
+    x64, w64, b64 = (ref_in[id(t)] if t is not None else None for t in (x, w, b))
+    ref = torch.nn.functional.layer_norm(x64.permute(0, 2, 3, 1), (6,), w64,
+                                         b64).permute(0, 3, 1, 2)
+    want = torch.autograd.grad(ref, [ref_in[id(t)] for t in leaves], dy.double())
+    for got, expected in zip(grads, want, strict=True):
+        assert_grad_close(got, expected, torch.float32)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_layer_norm2d_nchw_few_positions_take_torchs_layer_norm(threads, monkeypatch):
     """Below LAYER_NORM2D_MIN_POSITIONS (per thread count) NCHW LayerNorm2d is torch's
