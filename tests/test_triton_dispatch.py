@@ -166,12 +166,12 @@ def test_auto_picks_triton_on_cuda_for_row_norms_only(monkeypatch):
     the kernels; CPU inputs never do under "auto"."""
     import normkit.functional as F
 
-    class OnCuda:  # (_use_triton reads only .is_cuda of the input, _torch_kernels .device)
-        is_cuda = True
+    class OnCuda:  # (_use_triton reads only .is_cuda of the input, _torch_kernels .is_cpu)
+        is_cuda, is_cpu = True, False
         device = torch.device("cuda")
 
     class OnCpu:
-        is_cuda = False
+        is_cuda, is_cpu = False, True
         device = torch.device("cpu")
 
     monkeypatch.setattr(tk, "available", lambda: True)

@@ -14,7 +14,6 @@ are never replaced silently.
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Sequence
 
@@ -464,10 +463,15 @@ def layer_norm(
     return normalize(input, dims, weight, bias, eps, backend=backend)[0]
 
 
-@functools.cache
+_MACHINE_EPS = {dtype: torch.finfo(_stats.compute_dtype(dtype)).eps
+                for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
 def _machine_eps(dtype: torch.dtype) -> float:
-    """RMSNorm's default ``eps``: the machine epsilon of ``dtype``'s compute dtype."""
-    return torch.finfo(_stats.compute_dtype(dtype)).eps
+    """RMSNorm's default ``eps``: the machine epsilon of ``dtype``'s compute dtype (a plain
+    table for the usual dtypes: no per-call ``finfo``, nothing for torch.compile to warn of)."""
+    eps = _MACHINE_EPS.get(dtype)
+    return torch.finfo(_stats.compute_dtype(dtype)).eps if eps is None else eps
 
 
 def rms_norm(
