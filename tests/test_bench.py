@@ -697,3 +697,28 @@ def test_accuracy_script_measures_outputs_and_input_gradients(monkeypatch):
     assert far and far[0]["torch"] > 1e-3 and far[0]["torch_dx"] > 1e-3, far
     table = script.markdown(rows)
     assert "| normkit input grad | torch.nn input grad |" in table.splitlines()[0]
+
+
+def test_lstm_speed_script_compares_the_same_recurrence():
+    """benchmarks/lstm_speed.py: its baseline is normkit's recurrence with torch's
+    LayerNorm modules (same parameters, same outputs up to the norm's rounding), and every
+    row comes back with a time and a ratio for both passes."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("lstm_speed_script",
+                                                  root / "benchmarks" / "lstm_speed.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    torch.manual_seed(0)
+    ours = normkit.LayerNormLSTM(4, 4)
+    base = script._with_torch_layer_norms(normkit.LayerNormLSTM(4, 4))
+    base.load_state_dict(ours.state_dict())
+    assert not any(isinstance(m, normkit.LayerNorm) for m in base.modules())
+    assert sum(isinstance(m, torch.nn.LayerNorm) for m in base.modules()) == 3
+    x = torch.randn(3, 2, 4)
+    torch.testing.assert_close(base(x)[0], ours(x)[0])
+    rows = script.measure(steps=3, batch=2, hidden=4, rounds=2)
+    assert {(p, name) for p, name, _, _ in rows} == {
+        (p, name) for p in ("fwd", "fwd+bwd")
+        for name in ("torch LayerNorm", "normkit", "torch.nn.LSTM (no LayerNorm)")}
+    assert all(ms > 0 and ratio > 0 for _, _, ms, ratio in rows)
+    assert all(ratio == 1.0 for _, name, _, ratio in rows if name == "torch LayerNorm")
