@@ -615,7 +615,8 @@ def group_norm(
     who = "group_norm"
     _check_channels_first(input, who)
     channels = input.shape[1]
-    if not isinstance(num_groups, numbers.Integral) or num_groups <= 0:
+    if (type(num_groups) is not int and not isinstance(num_groups, numbers.Integral)
+            or num_groups <= 0):
         raise ValueError(f"{who} expected a positive integer num_groups, got {num_groups!r}")
     if channels % num_groups != 0:
         raise ValueError(
@@ -624,9 +625,9 @@ def group_norm(
             f"({channels} channels)"
         )
     _check_per_channel(input, who, weight=weight, bias=bias)
-    per_group = input.shape[0] * (channels // num_groups) * _stats.reduced_count(
-        input.shape, range(2, input.dim()))
-    if per_group == 1:  # torch's rule (F.group_norm's _verify_batch_size), kept for parity
+    # torch's rule (F.group_norm's _verify_batch_size), kept for parity: one value per
+    # group, i.e. numel = N * G * (C / G) * HxW equal to G
+    if input.numel() == num_groups:
         raise ValueError(
             f"Expected more than 1 value per group, got input size {shape_str(input)} "
             f"with num_groups={num_groups}"
@@ -639,8 +640,8 @@ def group_norm(
             return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)
     # (N, G, C/G, *): a view for any strides, channels_last included; with the affine
     # views, made only for the paths that use them (each costs host time)
-    pview = (1, num_groups, channels // num_groups) + (1,) * (input.dim() - 2)
     if input.numel() == 0:
+        pview = (1, num_groups, channels // num_groups) + (1,) * (input.dim() - 2)
         grouped = input.unflatten(1, (num_groups, channels // num_groups))
         return _empty_result(grouped, affine_view(weight, pview),
                              affine_view(bias, pview)).reshape(input.shape)
@@ -663,6 +664,7 @@ def group_norm(
             return y
     grouped = input.unflatten(1, (num_groups, channels // num_groups))
     dims = tuple(range(2, grouped.dim()))
+    pview = (1, num_groups, channels // num_groups) + (1,) * (input.dim() - 2)
     y = normalize(grouped, dims, affine_view(weight, pview), affine_view(bias, pview), eps,
                   backend=backend)[0]
     return y.flatten(1, 2)
