@@ -139,6 +139,13 @@ class Op:
         outputs: activation-sized outputs (the add ops also return ``x + residual``).
         fwd_streams: activation-sized tensors an ideal forward reads or writes.
         bwd_streams: the same for the backward alone.
+
+    Example:
+        >>> op = get_op("group_norm")
+        >>> type(op.build(op.resolve(), (2, 8, 4, 4))).__name__, op.params((2, 8, 4, 4))
+        ('GroupNorm', 16)
+        >>> type(op.baseline((2, 8, 4, 4))).__module__
+        'torch.nn.modules.normalization'
     """
 
     name: str
@@ -262,7 +269,17 @@ def op_names() -> list[str]:
 
 
 def get_op(name: str) -> Op:
-    """The op called ``name`` (``KeyError`` listing the valid names otherwise)."""
+    """The op called ``name`` (``KeyError`` listing the valid names otherwise).
+
+    Example:
+        >>> op = get_op("rms_norm")
+        >>> op.kind, op.symbol, op.baseline_doc
+        ('rows', 'RMSNorm', 'torch.nn.RMSNorm')
+        >>> get_op("rms")
+        Traceback (most recent call last):
+        ...
+        KeyError: "unknown op 'rms'; valid ops: ..."
+    """
     try:
         return _BY_NAME[name]
     except KeyError:

@@ -119,6 +119,11 @@ class BenchConfig:
             host 20-100+ us (Python, dispatch, launches), more than a small
             normalization's kernels take, so eager timings of small shapes measure the
             host; graph replays measure what the GPU does.
+
+    Example:
+        >>> config = BenchConfig(ops=("layer_norm",), threads=(1, 2), shapes="small")
+        >>> config.device, config.repeats, config.flush_mib == DEFAULT_FLUSH_MIB["cpu"]
+        ('cpu', 15, True)
     """
 
     ops: tuple[str, ...] = ()
