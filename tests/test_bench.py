@@ -722,3 +722,30 @@ def test_lstm_speed_script_compares_the_same_recurrence():
         for name in ("torch LayerNorm", "normkit", "torch.nn.LSTM (no LayerNorm)")}
     assert all(ms > 0 and ratio > 0 for _, _, ms, ratio in rows)
     assert all(ratio == 1.0 for _, name, _, ratio in rows if name == "torch LayerNorm")
+
+
+def test_layer_norm2d_paths_script_times_both_paths_and_restores_the_floors(monkeypatch):
+    """benchmarks/layer_norm2d_paths.py: each forced call really takes its path (the
+    per-sample kernel serves it or not), the floors come back afterwards, and both passes
+    get a ratio."""
+    from normkit.kernels import native
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("layer_norm2d_paths_script",
+                                                  root / "benchmarks" / "layer_norm2d_paths.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
+    floors = (native.LAYER_NORM2D_MIN_POSITIONS, native.LAYER_NORM2D_MIN_POSITIONS_INFERENCE)
+    served = []
+    per_sample = native.layer_norm2d_nchw
+    monkeypatch.setattr(native, "layer_norm2d_nchw",
+                        lambda *a: served.append(per_sample(*a)) or served[-1])
+    module, x = normkit.LayerNorm2d(4), torch.randn(2, 4, 3, 3)
+    for taken in (True, False):
+        script._on_path(module, x, taken)()
+        assert (served[-1] is not None) == taken
+    assert (native.LAYER_NORM2D_MIN_POSITIONS, native.LAYER_NORM2D_MIN_POSITIONS_INFERENCE) \
+        == floors
+    ratios = script.measure((2, 4, 3, 3), rounds=2)
+    assert set(ratios) == {"fwd", "fwd+bwd"} and all(r > 0 for r in ratios.values())

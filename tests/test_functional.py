@@ -249,6 +249,49 @@ def test_layer_norm2d_nchw_few_positions_take_torchs_layer_norm(threads, monkeyp
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_norm2d_nchw_inference_floor(threads, monkeypatch):
+    """Without a gradient the per-sample path starts at LAYER_NORM2D_MIN_POSITIONS_INFERENCE
+    positions (per thread count; its forward needs no copies), below them the copy path;
+    a call that needs a gradient keeps the forward+backward floor. Values equal float64
+    LayerNorm over the channels either way."""
+    from oracle import assert_close
+
+    from normkit.kernels import native
+
+    # the shipped floors: inference never later than with a gradient
+    for inference, grad in zip(native.LAYER_NORM2D_MIN_POSITIONS_INFERENCE,
+                               native.LAYER_NORM2D_MIN_POSITIONS, strict=True):
+        assert inference <= grad
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS_INFERENCE", (20, 30))
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS", (40, 50))
+    served = []
+    per_sample = native.layer_norm2d_nchw
+    monkeypatch.setattr(native, "layer_norm2d_nchw",
+                        lambda *a: served.append(per_sample(*a)) or served[-1])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        floor = native.LAYER_NORM2D_MIN_POSITIONS_INFERENCE[threads > 1]
+        gen = torch.Generator().manual_seed(2)
+        w = torch.randn(16, generator=gen, requires_grad=True)
+        b = torch.randn(16, generator=gen, requires_grad=True)
+        for positions, taken in ((floor - 1, False), (floor, True)):
+            x = torch.randn(2, 16, positions, 1, generator=gen)
+            with torch.no_grad():
+                y = F.layer_norm2d(x, w, b)
+            assert (served[-1] is not None) == taken, (positions, floor)
+            assert y.is_contiguous()
+            ref = torch.nn.functional.layer_norm(x.double().permute(0, 2, 3, 1), (16,),
+                                                 w.double(), b.double()).permute(0, 3, 1, 2)
+            assert_close(y, ref.detach(), torch.float32)
+        F.layer_norm2d(x, w, b)  # the parameters need a gradient: the other floor
+        assert served[-1] is None
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("offset", [1.0, 1e4], ids=["torch-kernel", "compensated"])
 def test_small_channels_last_instance_norm(offset):
     """Below the engine's size floor, channels-last InstanceNorm is torch's GroupNorm

@@ -232,14 +232,23 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
 
 #: Fewest elements for which :func:`layer_norm2d_nchw` pays off (it loops over the batch).
 LAYER_NORM2D_MIN_ELEMENTS = 1 << 16
-#: Fewest positions per sample (``H * W``) for which it pays off, with one CPU thread and
-#: with more: torch's BatchNorm kernel vectorizes and parallelizes across the positions,
-#: so on few of them torch's LayerNorm on a channels-innermost copy is faster. Measured
-#: (torch 2.13, 2-core VM, forward+backward, copy path time / this path's): 7 x 7
-#: positions 0.8x at 1 thread and 0.4x at 2; 14 x 14 0.96x and 0.75x; 28 x 28 0.96x
-#: and 0.9-0.97x; 56 x 56 1.1x and 1.0x (forward alone this path is 1.6-2x faster from
-#: 14 x 14 up at one thread).
+#: Fewest positions per sample (``H * W``) for which it pays off when a gradient is
+#: needed, with one CPU thread and with more: torch's BatchNorm kernel vectorizes and
+#: parallelizes across the positions, so on few of them torch's LayerNorm on a
+#: channels-innermost copy is faster. Forward+backward, copy path time / this path's
+#: (``benchmarks/layer_norm2d_paths.py``, three runs at 1 thread, two at 2; RESULTS.md):
+#: 7 x 7 0.65-0.82x at 1 thread and 0.30-0.36x at 2, 8 x 8 0.79-0.98x and 0.44-0.45x,
+#: 14 x 14 1.20-1.23x and 0.57-0.71x, 28 x 28 0.93-0.99x and 0.85-0.92x, 56 x 56
+#: 0.90-1.13x and 0.88-1.14x. Where the two are about even this path is kept: it saves
+#: the input itself for the backward, where the copy path saves the copy.
 LAYER_NORM2D_MIN_POSITIONS = (64, 256)
+#: The same floors when no gradient is needed (inference): this path's forward needs no
+#: copies. Forward alone, copy time / this path's (same runs): 1 thread 6 x 6 0.76-0.87x,
+#: 7 x 7 1.06-1.43x, 8 x 8 1.17-1.23x, 14 x 14 and up 2.1-5.2x; 2 threads 8 x 8
+#: 0.60x, 14 x 14 1.02-2.87x, 28 x 28 and up 1.5-4.8x. With one thread the floor is
+#: 48 (so 7 x 7 images take this path); with more it stays at 256: at 14 x 14 the layer
+#: (``normkit bench layer_norm2d``) showed no gain in four alternated runs.
+LAYER_NORM2D_MIN_POSITIONS_INFERENCE = (48, 256)
 
 
 def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:
@@ -328,7 +337,11 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
         >>> torch.allclose(y, ref.permute(0, 3, 1, 2), atol=1e-5)
         True
     """
-    floor = LAYER_NORM2D_MIN_POSITIONS[torch.get_num_threads() > 1]
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias)):
+        floor = LAYER_NORM2D_MIN_POSITIONS[torch.get_num_threads() > 1]
+    else:
+        floor = LAYER_NORM2D_MIN_POSITIONS_INFERENCE[torch.get_num_threads() > 1]
     if (not _plain_dense(x) or x.dim() < 3 or x.numel() < LAYER_NORM2D_MIN_ELEMENTS
             or x.shape[2:].numel() < floor
             or x.dtype not in (torch.float32, torch.float64)
