@@ -202,8 +202,8 @@ def test_markdown_extra_columns_for_threads_and_compile(doc):
 
 def test_op_names_are_unique_and_complete():
     assert len(set(op_names())) == len(OPS)
-    assert set(CORE) == {"layer_norm", "rms_norm", "batch_norm", "group_norm",
-                         "instance_norm", "layer_norm2d"}
+    assert set(CORE) == {"layer_norm", "rms_norm", "batch_norm", "batch_norm_eval",
+                         "group_norm", "instance_norm", "layer_norm2d"}
     assert {"add_layer_norm", "add_rms_norm", "batch_norm_act"} <= set(FUSED)
 
 
@@ -227,8 +227,12 @@ def test_core_ops_compute_what_their_baseline_computes(name):
     op = get_op(name)
     dims = DIMS[op.kind]
     x = torch.randn(dims)
-    ours, theirs = op.build(op.resolve(), dims), op.baseline(dims)
+    ours = op.build(op.resolve(), dims).train(op.training)
+    theirs = op.baseline(dims).train(op.training)
     assert sum(p.numel() for p in ours.parameters()) == op.params(dims)
+    if not op.training:  # the same running statistics in both
+        for name in ("running_mean", "running_var"):
+            torch.testing.assert_close(getattr(ours, name), getattr(theirs, name))
     torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
 
 
@@ -749,3 +753,22 @@ def test_layer_norm2d_paths_script_times_both_paths_and_restores_the_floors(monk
         == floors
     ratios = script.measure((2, 4, 3, 3), rounds=2)
     assert set(ratios) == {"fwd", "fwd+bwd"} and all(r > 0 for r in ratios.values())
+
+
+def test_eval_ops_run_in_eval_mode_on_trained_statistics(monkeypatch):
+    """batch_norm_eval times both modules in eval mode (never updating their running
+    statistics, which are a trained network's, not 0 and 1), forward and backward."""
+    modes = []
+    forward = normkit.BatchNorm2d.forward
+    monkeypatch.setattr(normkit.BatchNorm2d, "forward",
+                        lambda self, x: modes.append(self.training) or forward(self, x))
+    doc = run(BenchConfig(ops=("batch_norm_eval",), shapes="2x3x4x4", **TINY))
+    assert errors(doc) == []
+    assert modes and not any(modes)
+    assert [r["pass"] for r in doc["results"]] == list(PASSES)
+    x, p = 2 * 3 * 4 * 4 * 4, 2 * 3 * 4
+    assert [r["ideal_bytes"] for r in doc["results"]] == [2 * x + p, 4 * x + 3 * p]
+    op = get_op("batch_norm_eval")
+    bn = op.build(op.resolve(), (2, 3, 4, 4))
+    assert float(bn.running_mean.abs().max()) > 0 and not torch.equal(
+        bn.running_var, torch.ones(3))

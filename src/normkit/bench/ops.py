@@ -17,11 +17,13 @@ bytes (``weight`` and ``bias``)::
     layer_norm, rms_norm, batch_norm,           2X + P     5X + 3P
       group_norm, instance_norm, layer_norm2d,
       batch_norm_act(_inplace), group_norm_act
+    batch_norm_eval                             2X + P     4X + 3P
     add_layer_norm, add_rms_norm                4X + P     8X + 3P
 
 The forward reads ``x``, writes ``y`` and reads the parameters; the backward reads
 ``x`` (or ``y``), reads ``dy``, writes ``dx``, reads the parameters and writes their
-gradients. The add ops read ``x`` and ``residual`` and write ``y`` and
+gradients (inference BatchNorm's backward, a per-channel scaling, needs no ``x``). The
+add ops read ``x`` and ``residual`` and write ``y`` and
 ``s = x + residual``; their backward reads ``s`` and both output gradients and writes
 the one gradient both inputs share.
 
@@ -121,6 +123,17 @@ def _groups(dims: Dims) -> int:
     return default_num_groups(dims[1])
 
 
+def _trained(bn: nn.Module) -> nn.Module:
+    """``bn`` with the running statistics of a trained network (a fixed draw: means of
+    spread 0.5, variances 0.5 to 1.5), the same for normkit's module and torch's."""
+    gen = torch.Generator().manual_seed(0)
+    c = bn.running_mean.numel()
+    with torch.no_grad():
+        bn.running_mean.copy_(0.5 * torch.randn(c, generator=gen))
+        bn.running_var.copy_(0.5 + torch.rand(c, generator=gen))
+    return bn
+
+
 @dataclass(frozen=True)
 class Op:
     """One benchmarked op: how to build normkit's module and torch's, and its traffic.
@@ -139,6 +152,8 @@ class Op:
         outputs: activation-sized outputs (the add ops also return ``x + residual``).
         fwd_streams: activation-sized tensors an ideal forward reads or writes.
         bwd_streams: the same for the backward alone.
+        training: the modules run in training mode (``False``: eval mode, each built
+            with the same running statistics).
 
     Example:
         >>> op = get_op("group_norm")
@@ -160,6 +175,7 @@ class Op:
     outputs: int = 1
     fwd_streams: int = 2
     bwd_streams: int = 3
+    training: bool = True
 
     @property
     def normkit_doc(self) -> str:
@@ -223,6 +239,9 @@ OPS: tuple[Op, ...] = (
     Op("batch_norm", IMAGE, "BatchNorm2d", lambda cls, d: cls(_channels(d)),
        lambda d: nn.BatchNorm2d(_channels(d)), "torch.nn.BatchNorm2d (train)",
        lambda d: 2 * _channels(d)),
+    Op("batch_norm_eval", IMAGE, "BatchNorm2d", lambda cls, d: _trained(cls(_channels(d))),
+       lambda d: _trained(nn.BatchNorm2d(_channels(d))), "torch.nn.BatchNorm2d (eval)",
+       lambda d: 2 * _channels(d), bwd_streams=2, training=False),
     Op("group_norm", IMAGE, "GroupNorm", lambda cls, d: cls(_groups(d), _channels(d)),
        lambda d: nn.GroupNorm(_groups(d), _channels(d)),
        "torch.nn.GroupNorm (32 groups, or the largest divisor of C below)",

@@ -365,7 +365,7 @@ class _Case:
             if build is None:
                 return None  # this library does not cover the op
             module = build(dims)
-        module = module.to(device=self.config.device, dtype=self.dtype).train()
+        module = module.to(device=self.config.device, dtype=self.dtype).train(self.op.training)
         return torch.compile(module, dynamic=False) if name in COMPILED else module
 
     def _wall(self, step: Callable[[], object]) -> float:
