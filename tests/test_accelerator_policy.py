@@ -82,6 +82,7 @@ def as_on_a_gpu(monkeypatch):
 
     monkeypatch.setattr(NF, "_off_cpu", lambda x: True)
     monkeypatch.setattr(native, "well_conditioned", forbidden("native.well_conditioned"))
+    monkeypatch.setattr(native, "ratio_within", forbidden("native.ratio_within"))
     monkeypatch.setattr(channels, "well_conditioned", forbidden("channels.well_conditioned"))
     monkeypatch.setattr(channels, "normalize", forbidden("channels.normalize"))
     monkeypatch.setattr(channels, "moments", forbidden("channels.moments"))

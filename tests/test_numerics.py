@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import CASE_IDS, CASES, float64_twin, make_input
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from oracle import assert_close, assert_grad_close, reference_forward
 
 # small inputs through normkit's fused rows node, not torch's composite (conftest.py)
@@ -160,3 +162,38 @@ def test_fast_paths_stay_accurate_up_to_their_threshold(name, make, shape, layou
     with torch.no_grad():  # (the module's parameters require grad)
         ref = reference_forward(module, x.detach().double(), input_dtype=torch.float32)
     assert float((y.detach().double() - ref).abs().max()) < 1e-5
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), channels=st.integers(1, 40),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+       threshold=st.sampled_from([2.0, 4.0, 32.0]), eps=st.sampled_from([0.0, 1e-5, 1e-3]))
+def test_running_statistics_ratio_check_agrees_with_its_definition(data, channels, dtype,
+                                                                   threshold, eps):
+    """native.ratio_within (inference BatchNorm's check of its running statistics) says
+    what max |mean| / sqrt(var + eps) <= threshold says in float64, away from the
+    threshold itself; NaN and Inf statistics fail as they do there."""
+    from normkit.kernels import native
+
+    def values(low, high):
+        return data.draw(st.lists(st.floats(low, high, allow_nan=False), min_size=channels,
+                                  max_size=channels))
+
+    var = torch.tensor(values(1e-3, 1e3), dtype=torch.float64)
+    ratio = torch.tensor(values(-3 * threshold, 3 * threshold), dtype=torch.float64)
+    mean = ratio * (var + eps).sqrt()
+    special = data.draw(st.sampled_from([None, "nan-mean", "nan-var", "inf-mean"]))
+    if special == "nan-mean":
+        mean[0] = float("nan")
+    elif special == "nan-var":
+        var[-1] = float("nan")
+    elif special == "inf-mean":
+        mean[0] = float("inf")
+    mean, var = mean.to(dtype), var.to(dtype)  # (the check sees the stored values)
+    true = (mean.double().abs() / (var.double() + eps).sqrt()).max()
+    if special is None and abs(float(true) / threshold - 1) < 1e-2:
+        return  # within rounding of the threshold: either answer is right
+    want = bool(true <= threshold)  # (NaN: False)
+    assert native.ratio_within(mean, var, eps, threshold) is want
+    if dtype == torch.float32:  # buffers that require grad are read, not differentiated
+        assert native.ratio_within(mean.requires_grad_(), var, eps, threshold) is want

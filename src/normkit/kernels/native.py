@@ -45,7 +45,7 @@ from .memory import empty_like
 
 _ATEN = torch.ops.aten
 
-__all__ = ["THRESHOLDS", "well_conditioned", "layer_norm", "batch_norm_train",
+__all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
            "batch_norm_eval", "group_norm", "instance_norm", "layer_norm2d_nchw",
            "reference_grads"]
 
@@ -200,13 +200,36 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
         torch.Size([2, 3])
     """
     threshold = _bn_threshold(x)
-    if threshold is None:
-        return None
-    rstd = torch.rsqrt(running_var.detach().double() + eps)
-    if not well_conditioned(running_mean.double(), rstd, threshold):
+    if threshold is None or not ratio_within(running_mean, running_var, eps, threshold):
         return None
     return torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0,
                                    eps)[0]
+
+
+def ratio_within(mean: Tensor, var: Tensor, eps: float, threshold: float) -> bool:
+    """True when every channel's ``|mean| / sqrt(var + eps)`` is at most ``threshold``
+    (NaN fails), for statistics given as mean and variance.
+
+    Computed as ``min(var - mean^2 / threshold^2) >= -eps``: two small kernels and one
+    read-back, against five and one for the square root and :func:`well_conditioned`
+    (an inference BatchNorm call checks its running statistics every time). Rounding
+    moves the decision only for ratios within float rounding of the threshold.
+
+    Example:
+        >>> ratio_within(torch.tensor([3.0, -1.0]), torch.tensor([1.0, 4.0]), 0.0, 4.0)
+        True
+        >>> ratio_within(torch.tensor([5.0]), torch.tensor([1.0]), 0.0, 4.0)
+        False
+        >>> ratio_within(torch.tensor([float("nan")]), torch.tensor([1.0]), 0.0, 4.0)
+        False
+    """
+    if mean.numel() == 0:
+        return True
+    if mean.requires_grad or var.requires_grad:
+        mean, var = mean.detach(), var.detach()
+    # (16-bit buffers: torch's CPU addcmul computes in float32, so mean^2 cannot overflow)
+    margin = torch.addcmul(var, mean, mean, value=-1.0 / threshold ** 2).min().item()
+    return margin >= -eps  # NaN compares False
 
 
 def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None,
