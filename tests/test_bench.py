@@ -203,7 +203,7 @@ def test_markdown_extra_columns_for_threads_and_compile(doc):
 def test_op_names_are_unique_and_complete():
     assert len(set(op_names())) == len(OPS)
     assert set(CORE) == {"layer_norm", "rms_norm", "batch_norm", "batch_norm_eval",
-                         "group_norm", "instance_norm", "layer_norm2d"}
+                         "group_norm", "instance_norm", "instance_norm_eval", "layer_norm2d"}
     assert {"add_layer_norm", "add_rms_norm", "batch_norm_act"} <= set(FUSED)
 
 
@@ -755,20 +755,21 @@ def test_layer_norm2d_paths_script_times_both_paths_and_restores_the_floors(monk
     assert set(ratios) == {"fwd", "fwd+bwd"} and all(r > 0 for r in ratios.values())
 
 
-def test_eval_ops_run_in_eval_mode_on_trained_statistics(monkeypatch):
-    """batch_norm_eval times both modules in eval mode (never updating their running
+@pytest.mark.parametrize("name", ["batch_norm_eval", "instance_norm_eval"])
+def test_eval_ops_run_in_eval_mode_on_trained_statistics(name, monkeypatch):
+    """The eval ops time both modules in eval mode (never updating their running
     statistics, which are a trained network's, not 0 and 1), forward and backward."""
-    modes = []
-    forward = normkit.BatchNorm2d.forward
-    monkeypatch.setattr(normkit.BatchNorm2d, "forward",
+    op = get_op(name)
+    cls, modes = op.resolve(), []
+    forward = cls.forward
+    monkeypatch.setattr(cls, "forward",
                         lambda self, x: modes.append(self.training) or forward(self, x))
-    doc = run(BenchConfig(ops=("batch_norm_eval",), shapes="2x3x4x4", **TINY))
+    doc = run(BenchConfig(ops=(name,), shapes="2x3x4x4", **TINY))
     assert errors(doc) == []
     assert modes and not any(modes)
     assert [r["pass"] for r in doc["results"]] == list(PASSES)
     x, p = 2 * 3 * 4 * 4 * 4, 2 * 3 * 4
     assert [r["ideal_bytes"] for r in doc["results"]] == [2 * x + p, 4 * x + 3 * p]
-    op = get_op("batch_norm_eval")
-    bn = op.build(op.resolve(), (2, 3, 4, 4))
-    assert float(bn.running_mean.abs().max()) > 0 and not torch.equal(
-        bn.running_var, torch.ones(3))
+    norm = op.build(cls, (2, 3, 4, 4))
+    assert float(norm.running_mean.abs().max()) > 0 and not torch.equal(
+        norm.running_var, torch.ones(3))

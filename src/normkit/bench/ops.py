@@ -17,7 +17,7 @@ bytes (``weight`` and ``bias``)::
     layer_norm, rms_norm, batch_norm,           2X + P     5X + 3P
       group_norm, instance_norm, layer_norm2d,
       batch_norm_act(_inplace), group_norm_act
-    batch_norm_eval                             2X + P     4X + 3P
+    batch_norm_eval, instance_norm_eval         2X + P     4X + 3P
     add_layer_norm, add_rms_norm                4X + P     8X + 3P
 
 The forward reads ``x``, writes ``y`` and reads the parameters; the backward reads
@@ -123,15 +123,16 @@ def _groups(dims: Dims) -> int:
     return default_num_groups(dims[1])
 
 
-def _trained(bn: nn.Module) -> nn.Module:
-    """``bn`` with the running statistics of a trained network (a fixed draw: means of
-    spread 0.5, variances 0.5 to 1.5), the same for normkit's module and torch's."""
+def _trained(norm: nn.Module) -> nn.Module:
+    """``norm`` (a BatchNorm or InstanceNorm with running buffers) with the running
+    statistics of a trained network (a fixed draw: means of spread 0.5, variances 0.5 to
+    1.5), the same for normkit's module and torch's."""
     gen = torch.Generator().manual_seed(0)
-    c = bn.running_mean.numel()
+    c = norm.running_mean.numel()
     with torch.no_grad():
-        bn.running_mean.copy_(0.5 * torch.randn(c, generator=gen))
-        bn.running_var.copy_(0.5 + torch.rand(c, generator=gen))
-    return bn
+        norm.running_mean.copy_(0.5 * torch.randn(c, generator=gen))
+        norm.running_var.copy_(0.5 + torch.rand(c, generator=gen))
+    return norm
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,12 @@ OPS: tuple[Op, ...] = (
     Op("instance_norm", IMAGE, "InstanceNorm2d", lambda cls, d: cls(_channels(d)),
        lambda d: nn.InstanceNorm2d(_channels(d)), "torch.nn.InstanceNorm2d (no affine)",
        lambda d: 0),
+    Op("instance_norm_eval", IMAGE, "InstanceNorm2d",
+       lambda cls, d: _trained(cls(_channels(d), affine=True, track_running_stats=True)),
+       lambda d: _trained(nn.InstanceNorm2d(_channels(d), affine=True,
+                                            track_running_stats=True)),
+       "torch.nn.InstanceNorm2d (affine, running statistics, eval)",
+       lambda d: 2 * _channels(d), bwd_streams=2, training=False),
     Op("layer_norm2d", IMAGE, "LayerNorm2d", lambda cls, d: cls(_channels(d)),
        lambda d: PermutedLayerNorm(_channels(d)), "permute + torch.nn.LayerNorm + permute",
        lambda d: 2 * _channels(d)),

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 __all__ = ["Target", "TARGETS", "evaluate", "markdown_lines"]
 
 _CORE = ("layer_norm", "rms_norm", "batch_norm", "batch_norm_eval", "group_norm",
-         "instance_norm", "layer_norm2d")
+         "instance_norm", "instance_norm_eval", "layer_norm2d")
 _BOTH = ("fwd", "fwd+bwd")
 _MIB = 1 << 20
 
