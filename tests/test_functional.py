@@ -143,6 +143,44 @@ def test_rejected_fast_path_does_not_double_count_running_stats():
     assert int(nk.num_batches_tracked) == 1
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("offset", [0.5, 1e3], ids=["kernel", "compensated"])
+def test_instance_norm_running_statistics_take_inference_batch_norm(layout, offset,
+                                                                     monkeypatch):
+    """InstanceNorm with use_input_stats=False normalizes with per-channel running
+    statistics: inference BatchNorm's math, so torch's inference kernel where its check
+    passes, normkit's scale_shift past it; values and gradients equal float64."""
+    from oracle import assert_close, assert_grad_close
+
+    from normkit.kernels import native
+
+    served = []
+    check = native.batch_norm_eval
+    monkeypatch.setattr(native, "batch_norm_eval",
+                        lambda *a: served.append(check(*a)) or served[-1])
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 4, 5, 6, generator=gen)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    rm = torch.randn(4, generator=gen) * offset
+    rv = torch.rand(4, generator=gen) + 0.5
+    w, b = (torch.randn(4, generator=gen).requires_grad_() for _ in range(2))
+    y = F.instance_norm(x, rm, rv, w, b, use_input_stats=False)
+    assert (served[-1] is not None) == (offset < 1.0)
+    assert y.is_contiguous(memory_format=torch.channels_last if layout == "channels_last"
+                           else torch.contiguous_format)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = torch.nn.functional.instance_norm(x64, rm.double(), rv.double(), w64, b64,
+                                            use_input_stats=False)
+    assert_close(y, ref, torch.float32)
+    dy = torch.randn(y.shape, generator=gen)
+    grads = torch.autograd.grad(y, (x, w, b), dy)
+    want = torch.autograd.grad(ref, (x64, w64, b64), dy.double())
+    for got, expected in zip(grads, want, strict=True):
+        assert_grad_close(got, expected, torch.float32)
+
+
 def _check_layer_norm2d_against_float64(y, x, w, b, gen):
     """``y = layer_norm2d(x, w, b)`` (float32) and its gradients against float64
     LayerNorm over the channels (permute, LayerNorm, permute back)."""

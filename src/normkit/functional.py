@@ -346,6 +346,14 @@ def instance_norm(
                 f"{who} expected running_mean and running_var when use_input_stats=False, "
                 "got None"
             )
+        # per-channel running statistics: inference BatchNorm's math, so its kernels
+        if _torch_kernels(backend, input):
+            return torch.nn.functional.instance_norm(input, running_mean, running_var,
+                                                     weight, bias, False, momentum, eps)
+        if backend == "auto" and not compiling():
+            y = native.batch_norm_eval(input, running_mean, running_var, weight, bias, eps)
+            if y is not None:
+                return y
         return scale_shift(input, running_mean.view(view), running_var.view(view),
                            affine_view(weight, view), affine_view(bias, view), eps)
     dims = tuple(range(2, input.dim()))
