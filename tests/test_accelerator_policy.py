@@ -31,6 +31,10 @@ def _layers():
         "InstanceNorm2d": (normkit.InstanceNorm2d(6, affine=True, track_running_stats=True),
                            torch.nn.InstanceNorm2d(6, affine=True, track_running_stats=True),
                            (4, 6, 3, 5), False),
+        "InstanceNorm2d-eval": (
+            normkit.InstanceNorm2d(6, affine=True, track_running_stats=True).eval(),
+            torch.nn.InstanceNorm2d(6, affine=True, track_running_stats=True).eval(),
+            (4, 6, 3, 5), True),
         "BatchNorm2d": (normkit.BatchNorm2d(6), torch.nn.BatchNorm2d(6), (4, 6, 3, 5), True),
         "BatchNorm2d-biased": (normkit.BatchNorm2d(6, unbiased_running_var=False), None,
                                (4, 6, 3, 5), False),
@@ -83,6 +87,7 @@ def as_on_a_gpu(monkeypatch):
     monkeypatch.setattr(NF, "_off_cpu", lambda x: True)
     monkeypatch.setattr(native, "well_conditioned", forbidden("native.well_conditioned"))
     monkeypatch.setattr(native, "ratio_within", forbidden("native.ratio_within"))
+    monkeypatch.setattr(native, "batch_norm_eval", forbidden("native.batch_norm_eval"))
     monkeypatch.setattr(channels, "well_conditioned", forbidden("channels.well_conditioned"))
     monkeypatch.setattr(channels, "normalize", forbidden("channels.normalize"))
     monkeypatch.setattr(channels, "moments", forbidden("channels.moments"))
