@@ -203,7 +203,8 @@ def test_markdown_extra_columns_for_threads_and_compile(doc):
 def test_op_names_are_unique_and_complete():
     assert len(set(op_names())) == len(OPS)
     assert set(CORE) == {"layer_norm", "rms_norm", "batch_norm", "batch_norm_eval",
-                         "group_norm", "instance_norm", "instance_norm_eval", "layer_norm2d"}
+                         "frozen_batch_norm", "group_norm", "instance_norm",
+                         "instance_norm_eval", "layer_norm2d"}
     assert {"add_layer_norm", "add_rms_norm", "batch_norm_act"} <= set(FUSED)
 
 
@@ -755,7 +756,7 @@ def test_layer_norm2d_paths_script_times_both_paths_and_restores_the_floors(monk
     assert set(ratios) == {"fwd", "fwd+bwd"} and all(r > 0 for r in ratios.values())
 
 
-@pytest.mark.parametrize("name", ["batch_norm_eval", "instance_norm_eval"])
+@pytest.mark.parametrize("name", ["batch_norm_eval", "instance_norm_eval", "frozen_batch_norm"])
 def test_eval_ops_run_in_eval_mode_on_trained_statistics(name, monkeypatch):
     """The eval ops time both modules in eval mode (never updating their running
     statistics, which are a trained network's, not 0 and 1), forward and backward."""
@@ -768,7 +769,7 @@ def test_eval_ops_run_in_eval_mode_on_trained_statistics(name, monkeypatch):
     assert errors(doc) == []
     assert modes and not any(modes)
     assert [r["pass"] for r in doc["results"]] == list(PASSES)
-    x, p = 2 * 3 * 4 * 4 * 4, 2 * 3 * 4
+    x, p = 2 * 3 * 4 * 4 * 4, op.params((2, 3, 4, 4)) * 4
     assert [r["ideal_bytes"] for r in doc["results"]] == [2 * x + p, 4 * x + 3 * p]
     norm = op.build(cls, (2, 3, 4, 4))
     assert float(norm.running_mean.abs().max()) > 0 and not torch.equal(

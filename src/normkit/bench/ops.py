@@ -17,7 +17,8 @@ bytes (``weight`` and ``bias``)::
     layer_norm, rms_norm, batch_norm,           2X + P     5X + 3P
       group_norm, instance_norm, layer_norm2d,
       batch_norm_act(_inplace), group_norm_act
-    batch_norm_eval, instance_norm_eval         2X + P     4X + 3P
+    batch_norm_eval, instance_norm_eval,        2X + P     4X + 3P
+      frozen_batch_norm
     add_layer_norm, add_rms_norm                4X + P     8X + 3P
 
 The forward reads ``x``, writes ``y`` and reads the parameters; the backward reads
@@ -57,6 +58,7 @@ from ..registry import default_num_groups
 __all__ = [
     "PASSES", "ROWS", "IMAGE", "Op", "OpUnavailable", "Shape", "External", "OPS", "EXTERNALS",
     "SHAPE_SETS", "get_op", "op_names", "parse_shapes", "AddThenNorm", "PermutedLayerNorm",
+    "TorchFrozenBatchNorm",
 ]
 
 #: The timed passes: a no-grad forward, and a forward then backward to every input and
@@ -89,6 +91,30 @@ class PermutedLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class TorchFrozenBatchNorm(nn.Module):
+    """BatchNorm with fixed statistics and affine, all buffers, on torch's inference kernel.
+
+    The baseline of ``normkit.FrozenBatchNorm2d``: what detectron2's ``FrozenBatchNorm2d``
+    runs (``F.batch_norm`` with ``training=False``).
+
+    Example:
+        >>> frozen = TorchFrozenBatchNorm(3)
+        >>> frozen(torch.zeros(2, 3, 4, 4)).abs().max().item(), list(frozen.parameters())
+        (0.0, [])
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        for name, fill in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0),
+                           ("running_var", 1.0)):
+            self.register_buffer(name, torch.full((num_features,), fill))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                        self.bias, training=False, eps=self.eps)
 
 
 class AddThenNorm(nn.Module):
@@ -243,6 +269,11 @@ OPS: tuple[Op, ...] = (
     Op("batch_norm_eval", IMAGE, "BatchNorm2d", lambda cls, d: _trained(cls(_channels(d))),
        lambda d: _trained(nn.BatchNorm2d(_channels(d))), "torch.nn.BatchNorm2d (eval)",
        lambda d: 2 * _channels(d), bwd_streams=2, training=False),
+    Op("frozen_batch_norm", IMAGE, "FrozenBatchNorm2d",
+       lambda cls, d: _trained(cls(_channels(d))),
+       lambda d: _trained(TorchFrozenBatchNorm(_channels(d))),
+       "F.batch_norm(training=False) on buffers (detectron2's FrozenBatchNorm2d)",
+       lambda d: 0, bwd_streams=2, training=False),
     Op("group_norm", IMAGE, "GroupNorm", lambda cls, d: cls(_groups(d), _channels(d)),
        lambda d: nn.GroupNorm(_groups(d), _channels(d)),
        "torch.nn.GroupNorm (32 groups, or the largest divisor of C below)",

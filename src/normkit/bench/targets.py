@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 __all__ = ["Target", "TARGETS", "evaluate", "markdown_lines"]
 
-_CORE = ("layer_norm", "rms_norm", "batch_norm", "batch_norm_eval", "group_norm",
-         "instance_norm", "instance_norm_eval", "layer_norm2d")
+_CORE = ("layer_norm", "rms_norm", "batch_norm", "batch_norm_eval", "frozen_batch_norm",
+         "group_norm", "instance_norm", "instance_norm_eval", "layer_norm2d")
 _BOTH = ("fwd", "fwd+bwd")
 _MIB = 1 << 20
 
