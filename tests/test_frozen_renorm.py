@@ -35,6 +35,45 @@ def test_frozen_equals_eval_batchnorm_and_ignores_train():
     torch.testing.assert_close(frozen.running_mean, before)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("offset", [0.5, 1e3], ids=["kernel", "compensated"])
+def test_frozen_takes_inference_batchnorms_path_and_equals_float64(layout, offset,
+                                                                   monkeypatch):
+    """FrozenBatchNorm is inference BatchNorm: torch's kernel where the check of its
+    statistics passes, normkit's scale_shift past it (a running mean 1e3 standard
+    deviations out); output and input gradient equal float64 either way."""
+    from oracle import assert_close, assert_grad_close
+
+    from normkit.kernels import native
+
+    served = []
+    check = native.batch_norm_eval
+    monkeypatch.setattr(native, "batch_norm_eval",
+                        lambda *a: served.append(check(*a)) or served[-1])
+    gen = torch.Generator().manual_seed(3)
+    frozen = normkit.FrozenBatchNorm2d(4)
+    with torch.no_grad():
+        frozen.running_mean.copy_(torch.randn(4, generator=gen) * offset)
+        frozen.running_var.copy_(torch.rand(4, generator=gen) + 0.5)
+        frozen.weight.copy_(torch.randn(4, generator=gen))
+        frozen.bias.copy_(torch.randn(4, generator=gen))
+    x = torch.randn(3, 4, 5, 6, generator=gen) + frozen.running_mean.view(1, 4, 1, 1)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    y = frozen(x)
+    assert (served[-1] is not None) == (offset < 1.0)
+    x64 = x.detach().double().requires_grad_()
+    b = {name: t.double() for name, t in frozen.state_dict().items()}
+    ref = torch.nn.functional.batch_norm(x64, b["running_mean"], b["running_var"],
+                                         b["weight"], b["bias"], eps=frozen.eps)
+    assert_close(y, ref, torch.float32)
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    ref.backward(dy.double())
+    assert_grad_close(x.grad, x64.grad, torch.float32)
+
+
 def test_frozen_loads_any_batchnorm_checkpoint():
     bn = _trained_bn()
     frozen = normkit.FrozenBatchNorm2d(4)
