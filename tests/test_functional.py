@@ -181,6 +181,39 @@ def test_instance_norm_running_statistics_take_inference_batch_norm(layout, offs
         assert_grad_close(got, expected, torch.float32)
 
 
+@pytest.mark.parametrize("layer", ["BatchNorm2d", "InstanceNorm2d", "FrozenBatchNorm2d"])
+@pytest.mark.parametrize(("x_dtype", "buffer_dtype"), [
+    (torch.float64, torch.float32), (torch.float32, torch.float64),
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+    (torch.float16, torch.float16)])
+def test_inference_statistics_of_another_dtype(layer, x_dtype, buffer_dtype):
+    """Inference with running statistics whose dtype differs from the input's: torch's
+    kernel takes 16-bit input with float32 statistics and raises on other mixes, which
+    normkit serves on its own path instead; the output keeps the input's dtype and equals
+    float64."""
+    from oracle import assert_close
+
+    gen = torch.Generator().manual_seed(9)
+    module = {"BatchNorm2d": lambda: normkit.BatchNorm2d(6),
+              "InstanceNorm2d": lambda: normkit.InstanceNorm2d(6, affine=True,
+                                                               track_running_stats=True),
+              "FrozenBatchNorm2d": lambda: normkit.FrozenBatchNorm2d(6)}[layer]().eval()
+    with torch.no_grad():
+        module.running_mean.copy_(torch.randn(6, generator=gen))
+        module.running_var.copy_(torch.rand(6, generator=gen) + 0.5)
+        module.weight.copy_(torch.randn(6, generator=gen))
+        module.bias.copy_(torch.randn(6, generator=gen))
+    module.to(buffer_dtype)
+    x = torch.randn(4, 6, 5, 7, generator=gen).to(x_dtype)
+    y = module(x)
+    assert y.dtype == x_dtype
+    b = {name: t.double() for name, t in module.state_dict().items()
+         if name != "num_batches_tracked"}
+    ref = torch.nn.functional.batch_norm(x.double(), b["running_mean"], b["running_var"],
+                                         b["weight"], b["bias"], eps=module.eps)
+    assert_close(y, ref, x_dtype)
+
+
 def _check_layer_norm2d_against_float64(y, x, w, b, gen):
     """``y = layer_norm2d(x, w, b)`` (float32) and its gradients against float64
     LayerNorm over the channels (permute, LayerNorm, permute back)."""

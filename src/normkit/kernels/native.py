@@ -200,10 +200,20 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
         torch.Size([2, 3])
     """
     threshold = _bn_threshold(x)
-    if threshold is None or not ratio_within(running_mean, running_var, eps, threshold):
+    if (threshold is None or not _kernel_dtypes(x, running_mean, running_var, weight, bias)
+            or not ratio_within(running_mean, running_var, eps, threshold)):
         return None
     return torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0,
                                    eps)[0]
+
+
+def _kernel_dtypes(x: Tensor, *tensors: Tensor | None) -> bool:
+    """Whether torch's CPU BatchNorm kernel takes these dtypes: every tensor in ``x``'s, or
+    16-bit ``x`` with float32 parameters and statistics (it raises on other mixes, such
+    as float64 input with float32 buffers, which normkit's own path serves)."""
+    dtypes = {t.dtype for t in tensors if t is not None}
+    return dtypes <= {x.dtype} or (x.dtype in (torch.float16, torch.bfloat16)
+                                   and dtypes <= {torch.float32})
 
 
 def ratio_within(mean: Tensor, var: Tensor, eps: float, threshold: float) -> bool:

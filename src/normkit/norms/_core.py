@@ -291,7 +291,8 @@ def scale_shift(
         tensor([1.])
     """
     xc = _stats.upcast(x)
-    scale = torch.rsqrt(_stats.upcast(var) + eps)
+    # (float32 statistics of a float64 input: the square root in float64 too)
+    scale = torch.rsqrt(var.to(torch.promote_types(_stats.upcast(var).dtype, xc.dtype)) + eps)
     if weight is not None:
         scale = scale * weight
     centered = xc - mean.to(xc.dtype)
