@@ -214,6 +214,51 @@ def test_inference_statistics_of_another_dtype(layer, x_dtype, buffer_dtype):
     assert_close(y, ref, x_dtype)
 
 
+_MIXED = {
+    "BatchNorm2d": (lambda: normkit.BatchNorm2d(6),
+                    lambda x, w, b: torch.nn.functional.batch_norm(x, None, None, w, b, True)),
+    "GroupNorm": (lambda: normkit.GroupNorm(3, 6),
+                  lambda x, w, b: torch.nn.functional.group_norm(x, 3, w, b)),
+    "LayerNorm2d": (lambda: normkit.LayerNorm2d(6),
+                    lambda x, w, b: torch.nn.functional.layer_norm(
+                        x.permute(0, 2, 3, 1), (6,), w, b).permute(0, 3, 1, 2)),
+    "LayerNorm": (lambda: normkit.LayerNorm(7),
+                  lambda x, w, b: torch.nn.functional.layer_norm(x, (7,), w, b)),
+}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("layer", list(_MIXED))
+def test_float64_input_through_float32_parameters(layer, layout):
+    """torch's CPU kernels raise "mixed dtype" on float64 input with float32 parameters;
+    normkit's own paths serve it: float64 output, values and gradients of float64."""
+    from oracle import assert_close, assert_grad_close
+
+    build, reference = _MIXED[layer]
+    module = build()
+    gen = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(module.weight.shape, generator=gen))
+        module.bias.copy_(torch.randn(module.bias.shape, generator=gen))
+    x = torch.randn(4, 6, 5, 7, generator=gen, dtype=torch.float64)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    y = module(x)
+    assert y.dtype == torch.float64
+    w64, b64 = (p.detach().double().requires_grad_() for p in (module.weight, module.bias))
+    x64 = x.detach().clone().requires_grad_()
+    ref = reference(x64, w64, b64)
+    assert_close(y, ref, torch.float64)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(y, (x, module.weight, module.bias), dy)
+    want = torch.autograd.grad(ref, (x64, w64, b64), dy)
+    assert [g.dtype for g in got] == [torch.float64, torch.float32, torch.float32]
+    assert_grad_close(got[0], want[0], torch.float64)
+    for g, w_ in zip(got[1:], want[1:], strict=True):  # (rounded to the parameters' dtype)
+        assert_grad_close(g.double(), w_, torch.float32)
+
+
 def _check_layer_norm2d_against_float64(y, x, w, b, gen):
     """``y = layer_norm2d(x, w, b)`` (float32) and its gradients against float64
     LayerNorm over the channels (permute, LayerNorm, permute back)."""

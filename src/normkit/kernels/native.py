@@ -95,7 +95,7 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         >>> layer_norm(torch.randn(4, 8) + 1e5, (8,), None, None, 1e-5) is None
         True
     """
-    if not _plain_dense(x):
+    if not _plain_dense(x) or not _kernel_dtypes(x, weight, bias):
         return None
     y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
     return y if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]) else None
@@ -142,7 +142,8 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
         (True, True)
     """
     threshold = _bn_threshold(x, training=True)
-    if threshold is None or x.dtype not in _FLOATS:
+    if (threshold is None or x.dtype not in _FLOATS
+            or not _kernel_dtypes(x, running_mean, running_var, weight, bias)):
         return None
     saved = [t.clone() if t is not None else None for t in (running_mean, running_var)]
     y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var,
@@ -208,12 +209,18 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
 
 
 def _kernel_dtypes(x: Tensor, *tensors: Tensor | None) -> bool:
-    """Whether torch's CPU BatchNorm kernel takes these dtypes: every tensor in ``x``'s, or
-    16-bit ``x`` with float32 parameters and statistics (it raises on other mixes, such
-    as float64 input with float32 buffers, which normkit's own path serves)."""
-    dtypes = {t.dtype for t in tensors if t is not None}
-    return dtypes <= {x.dtype} or (x.dtype in (torch.float16, torch.bfloat16)
-                                   and dtypes <= {torch.float32})
+    """Whether torch's CPU normalization kernels take these dtypes: every tensor in ``x``'s,
+    or 16-bit ``x`` with float32 parameters (and statistics). They raise "mixed dtype" on
+    other mixes, such as float64 input with float32 parameters, which normkit's own
+    paths serve."""
+    dtype = x.dtype
+    for t in tensors:
+        if t is not None and t.dtype != dtype:
+            break
+    else:
+        return True  # (the common case, checked first: every call of a fast path asks)
+    return dtype in (torch.float16, torch.bfloat16) and all(
+        t is None or t.dtype == torch.float32 for t in tensors)
 
 
 def ratio_within(mean: Tensor, var: Tensor, eps: float, threshold: float) -> bool:
@@ -253,7 +260,7 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
         >>> group_norm(torch.randn(2, 4, 3), 2, None, None, 1e-5).shape
         torch.Size([2, 4, 3])
     """
-    if not _plain_dense(x):
+    if not _plain_dense(x) or not _kernel_dtypes(x, weight, bias):
         return None
     n, c = x.shape[:2]
     hxw = x.shape[2:].numel() if x.dim() > 2 else 1
