@@ -442,6 +442,31 @@ def test_group_norm_act_matches_reference(dtype, layout, act, affine, engine, mo
                 dtype, ["dx", "dw", "db"])
 
 
+@pytest.mark.parametrize("offset", [0.5, 1e4], ids=["kernel", "offset-1e4"])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_group_norm_act_inference_builds_no_node(dtype, layout, act, offset, monkeypatch):
+    """Without a gradient (inference, or parameters that need none) GroupNormAct runs no
+    autograd node and activates its fresh output in place: the reference's values, the
+    input's layout and dtype, the input untouched."""
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "GROUP_NORM_MIN_POSITIONS", 0)  # the engine at 4x5 too
+    x0 = make_input((3, 6, 4, 5), dtype, layout, seed=12, scale=2.0, offset=offset)
+    w, b = params(6, dtype, True)
+    before = x0.clone()
+    with torch.no_grad():
+        z = group_norm_act(x0, 3, w, b, act=act)
+    z2 = group_norm_act(x0, 3, w.detach(), b.detach(), act=act)  # nothing needs a gradient
+    assert z.grad_fn is None and z2.grad_fn is None
+    assert z.dtype == dtype and memory_format_of(z) == memory_format_of(x0)
+    assert torch.equal(x0, before)
+    ref = gn_act64(leaf64(x0), 3, leaf64(w), leaf64(b), act).detach()
+    for out in (z, z2):
+        assert_close(out, ref, dtype)
+
+
 @pytest.mark.parametrize("offset", [8.0, 1e4], ids=["ratio-8", "offset-1e4"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_group_norm_act_keeps_precision_at_an_offset(offset, layout):

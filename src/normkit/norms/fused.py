@@ -1090,6 +1090,38 @@ def _activate(activation: Activation, y: Tensor, reference: bool) -> Tensor:
     return activation.apply_(y)
 
 
+def _group_norm_for_act(x, weight, bias, groups, eps, use_native):
+    """``(y, mean, rstd, path)``: GroupNorm of ``x`` in its layout, a fresh tensor, by the
+    path :class:`_GroupNormActFunction` describes (``mean``/``rstd`` ``None`` on the
+    compensated path, which its backward recomputes)."""
+    n, c = x.shape[:2]
+    layout = F._channels_last_format(x)
+    fast = use_native and x.dtype in _WIDE and _same_dtype(x, weight, bias)
+    y = mean = rstd = None
+    path = "robust"
+    if (fast and layout is not None
+            and x.shape[2:].numel() >= channels.GROUP_NORM_MIN_POSITIONS):
+        stats = channels.moments(x, channels.Pool("group", groups), eps)
+        if stats is not None:
+            mean, _, rstd = stats
+            y, path = channels.affine(x, mean, rstd, weight, bias), "channels_last"
+    elif fast:  # torch's kernels both ways, in x's layout
+        y, mean, rstd = torch.native_group_norm(x if layout else x.contiguous(), weight,
+                                                bias, n, c, x.numel() // (n * c), groups, eps)
+        path = "native"
+        bound = channels.RATIO if layout else native.THRESHOLDS["group_norm"]
+        if not native.well_conditioned(mean, rstd, bound):
+            y = mean = rstd = None
+            path = "robust"
+    if y is None:  # compensated statistics (normkit's core), recomputed in backward
+        w, b = _group_params(x, groups, weight, bias)
+        y = normalize(_grouped(x.contiguous(), groups), _group_dims(x), w, b,
+                      eps)[0].flatten(1, 2)
+        if layout is not None:
+            y = y.contiguous(memory_format=layout)
+    return y, mean, rstd, path
+
+
 class _GroupNormActFunction(torch.autograd.Function):
     """GroupNorm + activation in one node; the statistics path is chosen at forward time.
 
@@ -1107,32 +1139,7 @@ class _GroupNormActFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, act, use_native):
-        n, c = x.shape[:2]
-        layout = F._channels_last_format(x)
-        fast = use_native and x.dtype in _WIDE and _same_dtype(x, weight, bias)
-        y = mean = rstd = None
-        path = "robust"
-        if (fast and layout is not None
-                and x.shape[2:].numel() >= channels.GROUP_NORM_MIN_POSITIONS):
-            stats = channels.moments(x, channels.Pool("group", groups), eps)
-            if stats is not None:
-                mean, _, rstd = stats
-                y, path = channels.affine(x, mean, rstd, weight, bias), "channels_last"
-        elif fast:  # torch's kernels both ways, in x's layout
-            y, mean, rstd = torch.native_group_norm(x if layout else x.contiguous(), weight,
-                                                    bias, n, c, x.numel() // (n * c), groups,
-                                                    eps)
-            path = "native"
-            bound = channels.RATIO if layout else native.THRESHOLDS["group_norm"]
-            if not native.well_conditioned(mean, rstd, bound):
-                y = mean = rstd = None
-                path = "robust"
-        if y is None:  # compensated statistics (normkit's core), recomputed in backward
-            w, b = _group_params(x, groups, weight, bias)
-            y = normalize(_grouped(x.contiguous(), groups), _group_dims(x), w, b,
-                          eps)[0].flatten(1, 2)
-            if layout is not None:
-                y = y.contiguous(memory_format=layout)
+        y, mean, rstd, path = _group_norm_for_act(x, weight, bias, groups, eps, use_native)
         out, pre = _activate_output(act, y)
         ctx.act, ctx.eps, ctx.groups, ctx.path = act, eps, groups, path
         ctx.save_for_backward(x, _kept_output(act, out), pre, weight, bias, mean, rstd)
@@ -1243,6 +1250,13 @@ def group_norm_act(
     if per_group == 1:
         y = F.group_norm(input, num_groups, weight, bias, eps, backend=backend)  # raises
         return _activate(activation, y, reference)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (input, weight, bias))):
+        # inference: no autograd node, and the activation in place on the fresh output
+        # (the node keeps the pre-activation for the backward of SiLU, GELU, ...)
+        y = _group_norm_for_act(input, weight, bias, int(num_groups), eps,
+                                backend == "auto")[0]
+        return activation.apply_(y)
     return _GroupNormActFunction.apply(input, weight, bias, int(num_groups), eps, activation,
                                        backend == "auto")
 
