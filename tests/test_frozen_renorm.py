@@ -172,6 +172,67 @@ def test_renorm_matches_the_paper_formula_with_stopped_gradients():
     assert (r != 1).all() and (d.abs() == 0.5).any()  # the clipping really happened
 
 
+@pytest.mark.parametrize("path", ["engine", "torch-kernel", "channels-last", "compensated",
+                                  "reference"])
+def test_renorm_float32_paths_match_the_paper_formula(path, monkeypatch):
+    """Batch Renormalization's batch statistics come from BatchNorm's fast paths (the
+    slice-sums engine, torch's kernel where accurate) or normkit's compensated core;
+    each path's output, gradients and running statistics equal the paper's formula in
+    float64 (r and d stopped)."""
+    from oracle import assert_close, assert_grad_close
+
+    from normkit.kernels import channels, native
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    served = {"engine": [], "torch-kernel": []}
+    engine, kernel = channels.normalize, native.batch_norm_normalized
+    monkeypatch.setattr(channels, "normalize",
+                        lambda *a: served["engine"].append(engine(*a)) or served["engine"][-1])
+    monkeypatch.setattr(native, "batch_norm_normalized",
+                        lambda *a: served["torch-kernel"].append(kernel(*a))
+                        or served["torch-kernel"][-1])
+    gen = torch.Generator().manual_seed(4)
+    brn = normkit.BatchRenorm2d(4, r_max=1.5, d_max=0.5, warmup_steps=0, r_max_steps=0,
+                                d_max_steps=0, momentum=0.3,
+                                backend="reference" if path == "reference" else "auto")
+    offset = 1e4 if path == "compensated" else 1.0
+    with torch.no_grad():
+        brn.running_mean.copy_(torch.randn(4, generator=gen) + offset)
+        brn.running_var.copy_(torch.rand(4, generator=gen) * 4 + 0.5)
+        brn.weight.copy_(torch.randn(4, generator=gen))
+        brn.bias.copy_(torch.randn(4, generator=gen))
+    rm, rv = brn.running_mean.double(), brn.running_var.double()
+    x = torch.randn(6, 4, 5, 7, generator=gen) * 2 + offset
+    if path == "channels-last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    y = brn(x)
+    if path in served:
+        assert served[path] and served[path][-1] is not None, path
+    elif path == "channels-last":
+        assert served["torch-kernel"][-1] is not None
+    x64 = x.detach().double().requires_grad_()
+    w64, b64 = (p.detach().double().requires_grad_() for p in (brn.weight, brn.bias))
+    dims = (0, 2, 3)
+    mean, var = x64.mean(dims, keepdim=True), x64.var(dims, correction=0, keepdim=True)
+    sigma_b, sigma = torch.sqrt(var + brn.eps), torch.sqrt(rv.view(1, 4, 1, 1) + brn.eps)
+    r = (sigma_b / sigma).clamp(1 / 1.5, 1.5).detach()
+    d = ((mean - rm.view(1, 4, 1, 1)) / sigma).clamp(-0.5, 0.5).detach()
+    ref = ((x64 - mean) / sigma_b * r + d) * w64.view(1, 4, 1, 1) + b64.view(1, 4, 1, 1)
+    assert_close(y, ref, torch.float32)
+    dy = torch.randn(y.shape, generator=gen)
+    got = torch.autograd.grad(y, (x, brn.weight, brn.bias), dy)
+    want = torch.autograd.grad(ref, (x64, w64, b64), dy.double())
+    for g, w_ in zip(got, want, strict=True):
+        assert_grad_close(g, w_, torch.float32)
+    count = x.numel() // 4
+    batch_var = var.view(4) * count / (count - 1)
+    torch.testing.assert_close(brn.running_mean.double(), 0.7 * rm + 0.3 * mean.view(4).detach(),
+                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(brn.running_var.double(), 0.7 * rv + 0.3 * batch_var.detach(),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_renorm_bad_arguments():
     with pytest.raises(ValueError, match="r_max"):
         normkit.BatchRenorm2d(3, r_max=0.5)

@@ -46,8 +46,8 @@ from .memory import empty_like
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
-           "batch_norm_eval", "group_norm", "instance_norm", "layer_norm2d_nchw",
-           "reference_grads"]
+           "batch_norm_eval", "batch_norm_normalized", "group_norm", "instance_norm",
+           "layer_norm2d_nchw", "reference_grads"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -155,6 +155,32 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
             if running is not None:
                 running.copy_(before)
     return None
+
+
+def batch_norm_normalized(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(xhat, mean, var)``: training-mode BatchNorm of ``x`` without affine or running
+    statistics by torch's kernel (``xhat`` differentiable, ``mean``/``var`` per channel,
+    ``var`` biased), when accurate, else ``None``.
+
+    ``var`` comes from the kernel's ``1 / sqrt(var + eps)`` (in float64: ``invstd^-2 -
+    eps``), for callers that need the batch variance itself (Batch Renormalization's
+    correction and running statistics).
+
+    Example:
+        >>> xhat, mean, var = batch_norm_normalized(torch.randn(8, 3, 4, 4) * 2 + 1, 1e-5)
+        >>> xhat.shape, mean.shape, bool((var > 2).all())
+        (torch.Size([8, 3, 4, 4]), torch.Size([3]), True)
+        >>> batch_norm_normalized(torch.randn(8, 3) + 1e5, 1e-5) is None
+        True
+    """
+    threshold = _bn_threshold(x, training=True)
+    if threshold is None or x.dtype not in _FLOATS:
+        return None
+    xhat, mean, invstd = torch.native_batch_norm(x, None, None, None, None, True, 0.0, eps)
+    if not well_conditioned(mean, invstd, threshold):
+        return None
+    var = invstd.detach().double().pow(-2).sub_(eps).clamp_(min=0).to(mean.dtype)
+    return xhat, mean.detach(), var
 
 
 def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,

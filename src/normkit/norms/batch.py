@@ -7,11 +7,13 @@ from torch import Tensor, nn
 
 from .. import _stats
 from .. import functional as F
+from ..kernels import channels, native
 from ._base import BackendMixin
 from ._core import (
     affine_view,
     check_channels,
     check_floating,
+    compiling,
     normalize,
     shape_str,
 )
@@ -405,13 +407,18 @@ class _BatchRenormForward(_BatchNormForward):
         if count <= 1:  # empty batch or one value per channel: BatchNorm's answer
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
                                 self.bias, True, factor, self.eps, backend=self.backend)
-        xhat, mean, var = normalize(input, dims, None, None, self.eps, backend=self.backend)
-        view = mean.shape
+        xhat, mean, var, mean_lo = self._normalized(input, dims)
+        view = F._channel_view(input)
+        mean, var = mean.reshape(view), var.reshape(view)
         with torch.no_grad():  # r and d are constants for autograd (stop-gradient)
             sigma = torch.sqrt(self.running_var.view(view).to(var.dtype) + self.eps)
             r = (torch.sqrt(var + self.eps) / sigma).clamp(1.0 / r_max, r_max)
-            d = ((mean - self.running_mean.view(view).to(mean.dtype)) / sigma).clamp(
-                -d_max, d_max)
+            # (mean - running_mean) in float64, with the batch mean's low part where the
+            # data sit far from zero: a float32 mean at 1e4 is off by up to 5e-4
+            diff = mean.double() - self.running_mean.view(view).double()
+            if mean_lo is not None:
+                diff += mean_lo.double().reshape(view)
+            d = (diff / sigma.double()).to(var.dtype).clamp(-d_max, d_max)
             _stats.update_running_(self.running_mean, mean.view(-1), factor)
             batch_var = _stats.unbiased_var(var, count) if self.unbiased_running_var else var
             _stats.update_running_(self.running_var, batch_var.view(-1), factor)
@@ -422,6 +429,28 @@ class _BatchRenormForward(_BatchNormForward):
         if b is not None:
             shift = shift + b
         return torch.addcmul(shift, xhat, scale).to(input.dtype)
+
+
+    def _normalized(self, x: Tensor, dims: tuple[int, ...]
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``(xhat, mean, var, mean_lo)`` of the batch: BatchNorm's fast statistics under
+        ``backend="auto"`` on the CPU (the slice-sums engine, or torch's kernel where it is
+        accurate; ``mean_lo`` None: their data are well-conditioned, so the float mean is
+        exact enough), normkit's compensated core otherwise, with ``mean_lo`` the part of
+        the batch mean its rounding to ``mean`` dropped."""
+        if self.backend == "auto" and not F._off_cpu(x) and not compiling():
+            fast = None
+            if channels.serves_batch_norm(x):
+                fast = channels.normalize(x, None, None, channels.Pool("batch"), self.eps,
+                                          F._reference(dims, F._channel_view(x), self.eps))
+            if fast is None:
+                fast = native.batch_norm_normalized(x, self.eps)
+            if fast is not None:
+                return (*fast, None)
+        xhat, mean, var = normalize(x, dims, None, None, self.eps, backend=self.backend)
+        with torch.no_grad():  # x - mean is exact near the mean: the residual's average
+            mean_lo = (_stats.upcast(x.detach()) - mean).mean(dims, keepdim=True)
+        return xhat, mean, var, mean_lo
 
 
 class BatchRenorm1d(_BatchRenormForward, nn.BatchNorm1d):
