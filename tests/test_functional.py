@@ -181,6 +181,55 @@ def test_instance_norm_running_statistics_take_inference_batch_norm(layout, offs
         assert_grad_close(got, expected, torch.float32)
 
 
+@pytest.mark.parametrize(("shape", "layout"), [
+    ((4, 8, 32, 32), "channels_last"), ((2, 8, 4, 16, 16), "channels_last_3d"),
+    ((2048, 8), "rows"), ((4, 8, 32, 32), "contiguous"), ((2, 8, 4, 4), "channels_last")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("grad", [False, True])
+def test_inference_batch_norm_fold_on_rows_last_input(shape, layout, dtype, affine, grad,
+                                                      monkeypatch):
+    """Inference BatchNorm of channels-last or 2D input from 2^14 elements without a
+    gradient is one broadcast addcmul of torch's fold (native._fold_eval); NCHW input,
+    small input and a gradient (of the input or, in grad mode, of the affine parameters)
+    keep torch's kernel. Either way the output keeps the
+    layout and equals float64 and torch's module."""
+    from oracle import assert_close
+
+    from normkit.kernels import native
+
+    folds = []
+    fold = native._fold_eval
+    monkeypatch.setattr(native, "_fold_eval", lambda *a: folds.append(1) or fold(*a))
+    gen = torch.Generator().manual_seed(10)
+    c = shape[1]
+    cls = {2: normkit.BatchNorm1d, 4: normkit.BatchNorm2d, 5: normkit.BatchNorm3d}[len(shape)]
+    module = cls(c, affine=affine).to(dtype).eval()
+    with torch.no_grad():
+        module.running_mean.copy_(torch.randn(c, generator=gen) * 2)
+        module.running_var.copy_(torch.rand(c, generator=gen) + 0.25)
+        if affine:
+            module.weight.copy_(torch.randn(c, generator=gen))
+            module.bias.copy_(torch.randn(c, generator=gen))
+    x = torch.randn(shape, generator=gen, dtype=dtype)
+    fmt = {"channels_last": torch.channels_last, "channels_last_3d": torch.channels_last_3d,
+           "rows": torch.contiguous_format, "contiguous": torch.contiguous_format}[layout]
+    x = x.contiguous(memory_format=fmt).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):  # (in grad mode the affine parameters need one)
+        y = module(x)
+    taken = layout != "contiguous" and x.numel() >= native.BATCH_NORM_EVAL_ADDCMUL_MIN_ELEMENTS
+    assert bool(folds) == (taken and not grad)
+    assert y.is_contiguous(memory_format=fmt) and y.dtype == dtype
+    torch_module = {2: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
+                    5: torch.nn.BatchNorm3d}[len(shape)](c, affine=affine).double().eval()
+    torch_module.load_state_dict(module.state_dict())
+    ref = torch_module(x.detach().double())
+    assert_close(y, ref, dtype)
+    if grad:
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+
+
 @pytest.mark.parametrize("layer", ["BatchNorm2d", "InstanceNorm2d", "FrozenBatchNorm2d"])
 @pytest.mark.parametrize(("x_dtype", "buffer_dtype"), [
     (torch.float64, torch.float32), (torch.float32, torch.float64),
