@@ -6,7 +6,13 @@ are compared with the float64 computation on the *same* float32 input; so are th
 input gradients for one random upstream gradient (standard deviation 1). Prints a
 Markdown table (max absolute error); ``--json`` writes the numbers.
 
-Run: ``python benchmarks/accuracy.py [--json FILE]``
+``--counts`` measures instead what decides where torch's channels-last BatchNorm may
+serve training (:data:`normkit.kernels.native.CHANNELS_LAST_MAX_COUNT`): its output error
+by values per channel and ``|mean| / std``, the maximum over several seeds and all
+channels, beside normkit's on the same inputs.
+
+Run: ``python benchmarks/accuracy.py [--json FILE]`` or ``python benchmarks/accuracy.py
+--counts``
 """
 
 from __future__ import annotations
@@ -91,6 +97,47 @@ def measure(seed: int = 0) -> list[dict]:
     return rows
 
 
+#: ``--counts``: values per channel (N x 32 x 32 channels-last images), ratios, seeds.
+COUNTS = (2048, 4096, 8192, 16384, 32768, 131072)
+RATIOS = (0.0, 1.0, 1.5, 2.0)
+SEEDS = 5
+
+
+def channels_last_counts(counts=COUNTS, ratios=RATIOS, seeds: int = SEEDS,
+                         channels: int = 32) -> list[dict]:
+    """Max output error vs float64 of training-mode BatchNorm on channels-last input
+    (``N x channels x 32 x 32``, ``N = count / 1024``, no affine), torch's and normkit's,
+    over ``seeds`` standard-normal inputs shifted by ``ratio`` (= ``|mean| / std``); and
+    torch's on the same values laid out NCHW, for scale."""
+    rows = []
+    for count in counts:
+        n = max(count // 1024, 1)
+        for ratio in ratios:
+            errors = {"torch": 0.0, "normkit": 0.0, "torch_nchw": 0.0}
+            for seed in range(seeds):
+                g = torch.Generator().manual_seed(seed)
+                x = (torch.randn(n, channels, 32, 32, generator=g) + ratio).contiguous(
+                    memory_format=torch.channels_last)
+                ref = nn.functional.batch_norm(x.double(), None, None, training=True)
+                for name, module in (("torch", nn.BatchNorm2d), ("normkit", normkit.BatchNorm2d)):
+                    y = module(channels, affine=False, track_running_stats=False)(x)
+                    errors[name] = max(errors[name], float((y.double() - ref).abs().max()))
+                y = nn.functional.batch_norm(x.contiguous(), None, None, training=True)
+                errors["torch_nchw"] = max(errors["torch_nchw"],
+                                           float((y.double() - ref).abs().max()))
+            rows.append({"count": n * 1024, "ratio": ratio, **errors})
+    return rows
+
+
+def counts_markdown(rows: list[dict]) -> str:
+    lines = ["| values per channel | mean / std | torch max error | normkit max error "
+             "| torch, same values NCHW |", "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['count']} | {r['ratio']:g} | {r['torch']:.1e} | {r['normkit']:.1e} "
+                     f"| {r['torch_nchw']:.1e} |")
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| shape | layer | offset | normkit max error | torch.nn max error "
              "| normkit input grad | torch.nn input grad |",
@@ -105,8 +152,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the numbers to this file")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--counts", action="store_true",
+                        help="channels-last BatchNorm error by values per channel instead")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.counts:
+        rows = channels_last_counts()
+        print(f"torch {torch.__version__}, channels-last BatchNorm2d (training, no affine), "
+              f"N x 32 x 32 x 32 float32, max error vs float64 over {SEEDS} seeds, 1 thread\n")
+        print(counts_markdown(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     rows = measure(args.seed)
     print(f"torch {torch.__version__}, float32 input, std 1, error vs float64 on the same "
           "input\n")

@@ -704,6 +704,26 @@ def test_accuracy_script_measures_outputs_and_input_gradients(monkeypatch):
     assert "| normkit input grad | torch.nn input grad |" in table.splitlines()[0]
 
 
+def test_accuracy_script_counts_mode_measures_channels_last_batch_norm():
+    """benchmarks/accuracy.py --counts: one row per values-per-channel and ratio, each with
+    torch's channels-last error, normkit's and torch's on the same values laid out NCHW;
+    normkit's and the NCHW kernel's stay at float32 rounding."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("accuracy_counts_script",
+                                                  root / "benchmarks" / "accuracy.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.channels_last_counts(counts=(2048, 16384), ratios=(0.0, 1.5), seeds=1,
+                                       channels=4)
+    assert [(r["count"], r["ratio"]) for r in rows] == [
+        (2048, 0.0), (2048, 1.5), (16384, 0.0), (16384, 1.5)]
+    for row in rows:
+        assert 0 < row["torch"] < 1e-3 and 0 < row["normkit"] < 1e-5, row
+        assert row["torch_nchw"] < 2e-6, row
+    table = script.counts_markdown(rows).splitlines()
+    assert len(table) == 2 + len(rows) and "| torch, same values NCHW |" in table[0]
+
+
 def test_lstm_speed_script_compares_the_same_recurrence():
     """benchmarks/lstm_speed.py: its baseline is normkit's recurrence with torch's
     LayerNorm modules (same parameters, same outputs up to the norm's rounding), and every
@@ -774,3 +794,40 @@ def test_eval_ops_run_in_eval_mode_on_trained_statistics(name, monkeypatch):
     norm = op.build(cls, (2, 3, 4, 4))
     assert float(norm.running_mean.abs().max()) > 0 and not torch.equal(
         norm.running_var, torch.ones(3))
+
+
+def test_train_step_script_times_the_same_networks(monkeypatch):
+    """benchmarks/train_step.py: every row of a network starts from the same parameters
+    (normkit's drop-ins, the fused layers and LayerNorm2d carry torch's state; the first
+    step's losses agree, else measure raises), the "no norm" row has no norm left, and
+    every row gets a time and a ratio."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("train_step_script",
+                                                  root / "benchmarks" / "train_step.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "SIZES", {"resnet": (2, 8, 6), "mbconv": (2, 4, 6),
+                                          "unet": (2, 32, 6), "convnext": (2, 8, 6),
+                                          "transformer": (16, 8)})
+    rows, x = script.networks("mbconv", "channels_last")
+    assert list(rows) == ["torch", "normkit", "normkit fused", "no norm"]
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    fused = [m for m in rows["normkit fused"].modules() if isinstance(m, normkit.BatchNormAct2d)]
+    assert [m.act for m in fused] == ["silu", "silu", "identity"] * 2
+    torch.testing.assert_close(rows["normkit fused"].state_dict(), rows["torch"].state_dict())
+    assert not any(normkit.tools.convert.is_norm_layer(m) for m in rows["no norm"].modules())
+    rows, _ = script.networks("convnext", "contiguous")
+    assert sum(isinstance(m, normkit.LayerNorm2d) for m in rows["normkit"].modules()) == 2
+    x = torch.randn(2, 8, 6, 6)
+    torch.testing.assert_close(rows["normkit"](x), rows["torch"](x))
+    for which in script.SIZES:
+        results = script.measure(which, "contiguous", rounds=2)
+        assert all(ms > 0 and ratio > 0 for _, ms, ratio in results), results
+        assert results[0][2] == 1.0
+    torch.manual_seed(1)
+    other = script.resnet(8)  # other weights: its first loss differs
+    built = script.networks
+    monkeypatch.setattr(script, "networks", lambda which, layout: (
+        {**built(which, layout)[0], "normkit": other}, built(which, layout)[1]))
+    with pytest.raises(AssertionError, match="first loss"):
+        script.measure("resnet", "contiguous", rounds=1)
