@@ -190,7 +190,8 @@ def accuracy() -> None:
 
 #: Channels-last BatchNorm shapes of the fold table (more than 8192 values per channel:
 #: the engine's, not torch's kernel).
-FOLD_SHAPES = [(32, 64, 56, 56), (8, 32, 128, 128), (32, 128, 28, 28)]
+FOLD_SHAPES = [(32, 64, 56, 56), (8, 32, 128, 128), (32, 128, 28, 28), (32, 192, 28, 28),
+               (16, 64, 32, 32), (64, 64, 16, 16)]
 
 
 def folds(threads: list[int], repeats: int) -> None:

@@ -210,7 +210,7 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(
         monkeypatch, name, threads, block_bytes, way):
     """Channels-last input with more positions than FOLD_ROWS: the statistics come from
     each sample's folded matrix where a cache block holds fewer than two samples (one
-    per thread) or for BatchNorm with one thread, else from cache blocks; the backward
+    per thread; for BatchNorm four per thread), else from cache blocks; the backward
     sums always fold. Output and every gradient equal the float64 reference either way."""
     if block_bytes is not None:
         monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", block_bytes)
@@ -239,8 +239,7 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(
         torch.set_num_threads(before)
     assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
     rows = channels.FOLD_ROWS_BATCH if name == "bn-cl" else channels.FOLD_ROWS
-    # (BatchNorm with one thread always folds: 256-row folds beat the blocks there)
-    kernel = way == "folded kernel" or (name == "bn-cl" and threads == 1)
+    kernel = way == "folded kernel"
     assert calls == ([channels._fold(24 * 24, rows)] if kernel else []), calls
     twin = make().double()
     twin.load_state_dict(module.state_dict())
@@ -251,6 +250,28 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(
     ref.backward(dy)
     assert_close(y, ref, torch.float32)
     assert_grad_close(x.grad, ref_x.grad, torch.float32, "input grad")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("sample_bytes", "blocks"), [
+    ((1 << 20) // 4, True), ((1 << 20) // 4 + 4, False), ((1 << 20) // 2, False)])
+def test_batch_norm_sums_take_the_blocks_only_for_small_samples(threads, sample_bytes,
+                                                                blocks):
+    """BatchNorm's channels-last sums take the cache blocks only where a block holds at
+    least BATCH_BLOCK_MIN_SAMPLES whole samples per thread (else the 256-row kernel
+    folds); GroupNorm/InstanceNorm from two samples, one per thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        per_block = channels.COLUMN_BLOCK_BYTES // sample_bytes  # samples per thread
+        cols = torch.empty(2, sample_bytes // 4, 1)  # (N, L, C): L * C * 4 bytes a sample
+        assert channels._blocks_of_samples(cols, channels.Pool("batch")) == blocks
+        assert blocks == (per_block >= channels.BATCH_BLOCK_MIN_SAMPLES)
+        step = channels.COLUMN_BLOCK_BYTES * threads // sample_bytes
+        assert channels._blocks_of_samples(cols, channels.Pool("group", 1)) == (
+            step >= max(threads, 2))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("out", [False, True], ids=["allocated", "out="])

@@ -197,22 +197,34 @@ def _row_sums(rows: Tensor) -> tuple[Tensor, Tensor]:
 
 def _blocks_of_samples(cols: Tensor, pool: Pool) -> bool:
     """Whether :func:`_blocked_column_sums` takes ``(N, L, C)`` in blocks of at least two
-    whole samples, and one per thread: there it beats the folded kernel sums, which cost
-    one call per sample (``benchmarks/column_sums.py``, two runs each: with one thread
-    blocks of five 14 x 14 x 256 samples are 1.1x faster, while at one 56 x 56 x 64
-    sample per block the kernel is 1.05-1.13x faster and at 128 x 128 1.17-1.32x; with
-    two threads, measured with 256-row folds, blocks of whole samples were 1.1-1.75x
-    faster at 56 x 56 and 14 x 14 -- fewer rows per fold only slow the kernel -- and
-    where a sample overflows a thread's block the kernel is faster than the whole-tensor
-    way the blocks fall back to). Except BatchNorm with one thread: its sums fold to
-    :data:`FOLD_ROWS_BATCH` rows, and so folded the kernel was 1.2-1.4x faster than the
-    blocks at 28 x 28, 56 x 56 and 128 x 128 (``column_sums.py --folds``)."""
+    whole samples, and one per thread (for BatchNorm, :data:`BATCH_BLOCK_MIN_SAMPLES`
+    per thread): there it beats the folded kernel sums, which cost one call per sample
+    (``benchmarks/column_sums.py``, two runs each: with one thread blocks of five 14 x 14
+    x 256 samples are 1.1x faster, while at one 56 x 56 x 64 sample per block the kernel
+    is 1.05-1.13x faster and at 128 x 128 1.17-1.32x; with two threads, with 64-row
+    folds, blocks of whole samples were 1.1-1.75x faster at 56 x 56 and 14 x 14 -- fewer
+    rows per fold only slow the kernel -- and where a sample overflows a thread's block
+    the kernel is faster than the whole-tensor way the blocks fall back to).
+
+    BatchNorm's sums fold to :data:`FOLD_ROWS_BATCH` rows, and so folded the kernel beats
+    the blocks unless the samples are small (``column_sums.py --folds``, ms, kernel /
+    blocks): one thread 32x64x56x56 1.34 / 2.54, 8x32x128x128 0.83 / 1.15,
+    32x128x28x28 0.75 / 1.04, 32x192x28x28 1.11 / 2.11, 16x64x32x32 0.27 / 0.28,
+    64x64x16x16 0.59 / 0.30; two threads 0.88 / 1.47, 0.48 / 0.87, 0.53 / 0.62,
+    0.72 / 1.35, 0.23 / 0.16, 0.64 / 0.20. A block of four samples per thread or more
+    (the last two shapes) takes the blocks, fewer the kernel: the faster way in each row.
+    """
     threads = torch.get_num_threads()
-    if pool.kind == "batch" and threads == 1:
-        return False
     n, length, c = cols.shape
     step = COLUMN_BLOCK_BYTES * threads // max(length * c * cols.element_size(), 1)
+    if pool.kind == "batch":
+        return step >= BATCH_BLOCK_MIN_SAMPLES * threads
     return step >= max(threads, 2)
+
+
+#: Fewest whole samples per thread a cache block must hold for BatchNorm's channels-last
+#: sums to take the blocks rather than the kernel's 256-row folds (:func:`_blocks_of_samples`).
+BATCH_BLOCK_MIN_SAMPLES = 4
 
 
 #: Most rows torch's BatchNorm kernel sums in sequence for :func:`_kernel_column_sums` and the
