@@ -465,3 +465,31 @@ def test_property_every_path_matches_float64(n, c, h, w, offset, kind, channels_
     y64.backward(dy)
     for got, want, what in zip(leaves, leaves64, ("dx", "dweight", "dbias"), strict=True):
         assert_grad_close(got.grad, want.grad, torch.float32, what)
+
+
+@pytest.mark.parametrize("block_bytes, pooled", [(None, True), (1024, False)],
+                         ids=["small-samples-whole-fold", "per-sample-folds"])
+def test_batch_norm_backward_sums_of_small_samples_in_one_call(monkeypatch, block_bytes,
+                                                               pooled):
+    """BatchNorm's channels-last backward sums: small samples (those the forward sums in
+    cache blocks) in one kernel call over the whole folded matrix, already pooled to
+    (1, C); larger ones per sample, (N, C). Both equal the float64 sums."""
+    if block_bytes is not None:
+        monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", block_bytes)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 6, 24, 24, generator=gen).add_(1.0).contiguous(
+        memory_format=torch.channels_last)
+    dy = torch.randn(x.shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    mean = x.double().mean((0, 2, 3)).float().view(1, 6)
+    calls = []
+    kernel = torch.ops.aten.native_batch_norm_backward
+    monkeypatch.setattr(channels, "_ATEN", type("A", (), {
+        "native_batch_norm_backward": staticmethod(
+            lambda *a: calls.append(tuple(a[0].shape)) or kernel(*a))})())
+    s1, sx = channels._backward_sums(dy, x, mean, channels.Pool("batch"))
+    assert s1.shape == sx.shape == ((1, 6) if pooled else (16, 6))
+    assert len(calls) == (1 if pooled else 16), calls
+    want1 = dy.double().sum((0, 2, 3))
+    wantx = (dy.double() * (x.double() - mean.double().view(1, 6, 1, 1))).sum((0, 2, 3))
+    torch.testing.assert_close(s1.double().sum(0), want1, rtol=1e-6, atol=1e-4)
+    torch.testing.assert_close(sx.double().sum(0), wantx, rtol=1e-6, atol=1e-4)
