@@ -225,8 +225,8 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
 #: slower on rows-last input: kernel time / addcmul time 1.6-3.0x on channels-last
 #: 1x64x56x56 to 32x256x14x14, 1.0-1.3x at 32x64x56x56 (memory-bound), 1.35-2.5x on 2D
 #: 64 x 512 and 4096 x 768, 1 and 2 threads (``benchmarks/bn_apply.py``). Below, the
-#: kernel's single call beats the five small ops (0.6-0.7x at 945 elements, one thread);
-#: on NCHW the kernel is the faster one at every size (addcmul 0.35-0.6x).
+#: kernel's single call beats the five small ops (0.63-0.73x at 945 elements, one thread);
+#: on NCHW the kernel is the faster one at every size (addcmul 0.34-0.92x).
 BATCH_NORM_EVAL_ADDCMUL_MIN_ELEMENTS = 1 << 14
 
 
