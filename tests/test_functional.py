@@ -190,10 +190,10 @@ def test_instance_norm_running_statistics_take_inference_batch_norm(layout, offs
 def test_inference_batch_norm_fold_on_rows_last_input(shape, layout, dtype, affine, grad,
                                                       monkeypatch):
     """Inference BatchNorm of channels-last or 2D input from 2^14 elements without a
-    gradient is one broadcast addcmul of torch's fold (native._fold_eval); NCHW input,
-    small input and a gradient (of the input or, in grad mode, of the affine parameters)
-    keep torch's kernel. Either way the output keeps the
-    layout and equals float64 and torch's module."""
+    gradient for its parameters (the input's may be wanted: the addcmul's is dy * scale)
+    is one broadcast addcmul of torch's fold (native._fold_eval); NCHW input, small input
+    and, in grad mode, trainable affine parameters keep torch's kernel. Either way the
+    output and the input gradient keep the layout and equal float64 and torch's module."""
     from oracle import assert_close
 
     from normkit.kernels import native
@@ -218,16 +218,20 @@ def test_inference_batch_norm_fold_on_rows_last_input(shape, layout, dtype, affi
     with torch.set_grad_enabled(grad):  # (in grad mode the affine parameters need one)
         y = module(x)
     taken = layout != "contiguous" and x.numel() >= native.BATCH_NORM_EVAL_ADDCMUL_MIN_ELEMENTS
-    assert bool(folds) == (taken and not grad)
+    assert bool(folds) == (taken and not (grad and affine))
     assert y.is_contiguous(memory_format=fmt) and y.dtype == dtype
     torch_module = {2: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
                     5: torch.nn.BatchNorm3d}[len(shape)](c, affine=affine).double().eval()
     torch_module.load_state_dict(module.state_dict())
-    ref = torch_module(x.detach().double())
+    x64 = x.detach().double().requires_grad_(grad)
+    ref = torch_module(x64)
     assert_close(y, ref, dtype)
     if grad:
-        y.sum().backward()
-        assert x.grad is not None and x.grad.shape == x.shape
+        dy = torch.randn(shape, generator=gen, dtype=dtype).contiguous(memory_format=fmt)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        (dx64,) = torch.autograd.grad(ref, x64, dy.double())
+        assert dx.is_contiguous(memory_format=fmt)
+        assert_close(dx, dx64, dtype, "input grad")
 
 
 @pytest.mark.parametrize("layer", ["BatchNorm2d", "InstanceNorm2d", "FrozenBatchNorm2d"])

@@ -220,9 +220,13 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
 
 
 #: Fewest elements from which inference BatchNorm of channels-last (or 2D ``(N, C)``)
-#: float32/float64 input without a gradient is one broadcast ``torch.addcmul(shift, x,
-#: scale)`` instead of torch's inference kernel, which computes the same fold but runs
-#: slower on rows-last input: kernel time / addcmul time 1.6-3.0x on channels-last
+#: float32/float64 input whose parameters and statistics need no gradient (the input's
+#: may be wanted: the addcmul's backward is one broadcast ``dy * scale``; FrozenBatchNorm2d
+#: forward+backward on channels-last 1x64x56x56 to 32x64x56x56 went from 0.82-1.08x to
+#: 0.88-2.79x torch, mostly 1.03-2.34x, in alternated ``normkit bench frozen_batch_norm``
+#: runs at 1 and 2 threads) is one broadcast ``torch.addcmul(shift, x, scale)`` instead
+#: of torch's inference kernel, which computes the same fold but runs slower on rows-last
+#: input: kernel time / addcmul time 1.6-3.0x on channels-last
 #: 1x64x56x56 to 32x256x14x14, 1.0-1.3x at 32x64x56x56 (memory-bound), 1.35-2.5x on 2D
 #: 64 x 512 and 4096 x 768, 1 and 2 threads (``benchmarks/bn_apply.py``). Below, the
 #: kernel's single call beats the five small ops (0.63-0.73x at 945 elements, one thread);
@@ -236,8 +240,9 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
 
     torch folds inference BN into ``x * scale + shift``, which cancels catastrophically
     when the running mean is large relative to the running spread. On channels-last and
-    2D input without a gradient, from :data:`BATCH_NORM_EVAL_ADDCMUL_MIN_ELEMENTS`, the
-    same fold runs as a broadcast ``addcmul`` (faster there than torch's kernel).
+    2D input from :data:`BATCH_NORM_EVAL_ADDCMUL_MIN_ELEMENTS`, when no gradient is wanted
+    for the parameters or statistics, the same fold runs as a broadcast ``addcmul``
+    (faster there than torch's kernel, forward and backward).
 
     Example:
         >>> batch_norm_eval(torch.randn(2, 3), torch.zeros(3), torch.ones(3), None, None,
@@ -253,7 +258,8 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
             and x.dtype in (torch.float32, torch.float64) and running_mean.dtype == x.dtype
             and not (torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad
-                for t in (x, weight, bias, running_mean, running_var)))):
+                for t in (weight, bias, running_mean, running_var)))):
+        # (a gradient for x alone is the addcmul's: dy * scale, one broadcast multiply)
         return _fold_eval(x, running_mean, running_var, weight, bias, eps)
     return torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0,
                                    eps)[0]
