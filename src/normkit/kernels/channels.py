@@ -207,8 +207,9 @@ def _blocks_of_samples(cols: Tensor, pool: Pool) -> bool:
     the kernel is faster than the whole-tensor way the blocks fall back to).
 
     BatchNorm's sums fold to :data:`FOLD_ROWS_BATCH` rows, and so folded the kernel beats
-    the blocks unless the samples are small (``column_sums.py --folds``, ms, kernel /
-    blocks): one thread 32x64x56x56 1.34 / 2.54, 8x32x128x128 0.83 / 1.15,
+    the blocks unless the samples are small (``column_sums.py --folds`` on an AMD EPYC VM
+    with 2 MiB of L2 per core; the rule before was measured on an Intel Xeon VM; ms,
+    kernel / blocks): one thread 32x64x56x56 1.34 / 2.54, 8x32x128x128 0.83 / 1.15,
     32x128x28x28 0.75 / 1.04, 32x192x28x28 1.11 / 2.11, 16x64x32x32 0.27 / 0.28,
     64x64x16x16 0.59 / 0.30; two threads 0.88 / 1.47, 0.48 / 0.87, 0.53 / 0.62,
     0.72 / 1.35, 0.23 / 0.16, 0.64 / 0.20. A block of four samples per thread or more
