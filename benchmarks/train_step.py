@@ -34,6 +34,12 @@ one process, at fixed thread counts::
 
     PYTHONPATH=src python benchmarks/train_step.py --threads 1 2
 
+``--inference`` times an eval-mode forward pass under ``torch.inference_mode()`` instead
+(BatchNorm running statistics from two training-mode passes over the input), with one
+more row for the BatchNorm networks, **normkit fold_batchnorm**: the BatchNorms folded
+into the convolutions before them (``normkit.fold_batchnorm``); every row's output is
+checked against torch's.
+
 The figures are for reading, not asserting: one machine, one run.
 """
 
@@ -164,8 +170,29 @@ def without_norms(model: nn.Module) -> nn.Module:
     return model
 
 
-def networks(which: str, layout: str) -> tuple[dict[str, nn.Module], torch.Tensor]:
-    """The rows (name -> network, all from one seeded torch network) and the input."""
+def networks(which: str, layout: str, inference: bool = False
+             ) -> tuple[dict[str, nn.Module], torch.Tensor]:
+    """The rows (name -> network, all from one seeded torch network) and the input.
+
+    ``inference``: every row in eval mode, its BatchNorms' running statistics those of two
+    training-mode passes over the input (not 0 and 1), plus ``normkit fold_batchnorm``
+    for networks with BatchNorm."""
+    rows, x = _networks(which, layout, inference)
+    if inference:
+        for model in rows.values():
+            model.eval()
+    return rows, x
+
+
+def _warm_statistics(model: nn.Module, x: torch.Tensor) -> None:
+    """Running statistics of two training-mode forward passes over ``x``."""
+    with torch.no_grad():
+        for _ in range(2):
+            model(x)
+
+
+def _networks(which: str, layout: str, inference: bool
+              ) -> tuple[dict[str, nn.Module], torch.Tensor]:
     torch.manual_seed(0)
     if which == "transformer":
         tokens, d = SIZES[which]
@@ -184,8 +211,12 @@ def networks(which: str, layout: str) -> tuple[dict[str, nn.Module], torch.Tenso
     if which == "convnext":
         return {"torch": model, "normkit": with_layer_norm2d(model),
                 "no norm": without_norms(model)}, x
-    return {"torch": model, "normkit": normkit.patch(model), "normkit fused": fused(model),
-            "no norm": without_norms(model)}, x
+    if inference:
+        _warm_statistics(model, x)
+    rows = {"torch": model, "normkit": normkit.patch(model), "normkit fused": fused(model)}
+    if inference and which != "unet":
+        rows["normkit fold_batchnorm"] = normkit.fold_batchnorm(model)
+    return {**rows, "no norm": without_norms(model)}, x
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
@@ -196,28 +227,45 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> floa
     return float(loss.detach())
 
 
-def measure(which: str, layout: str, rounds: int) -> list[tuple[str, float, float]]:
-    """``(row, median step ms, median ratio to the baseline)`` at the current threads.
+def _inference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(x)
 
-    Raises AssertionError when a row's first-step loss departs from its baseline's (a
-    row that computed something else would time something else)."""
-    rows, x = networks(which, layout)
-    opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
-            for name, m in rows.items()}
-    losses = {name: _step(m, opts[name], x) for name, m in rows.items()}
+
+def measure(which: str, layout: str, rounds: int,
+            inference: bool = False) -> list[tuple[str, float, float]]:
+    """``(row, median ms, median ratio to the baseline)`` at the current threads: of a
+    training step, or with ``inference`` of an eval-mode forward under inference mode.
+
+    Raises AssertionError when a row's first-step loss (inference: output) departs from
+    its baseline's (a row that computed something else would time something else)."""
+    rows, x = networks(which, layout, inference)
     base = next(iter(rows))
-    for name, loss in losses.items():
-        reference = losses["torch RMSNorm" if "RMSNorm" in name else base]
-        if name != "no norm" and abs(loss - reference) > 1e-4 * max(1.0, abs(reference)):
-            raise AssertionError(f"{which}: {name}'s first loss {loss} != {reference}")
+    if inference:
+        calls = {name: (lambda m=m: _inference(m, x)) for name, m in rows.items()}
+        outputs = {name: call() for name, call in calls.items()}
+        for name, out in outputs.items():
+            reference = outputs["torch RMSNorm" if "RMSNorm" in name else base]
+            if name != "no norm" and not torch.allclose(out, reference, rtol=1e-4,
+                                                        atol=1e-4):
+                raise AssertionError(f"{which}: {name}'s output departs from {base}'s")
+    else:
+        opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+                for name, m in rows.items()}
+        calls = {name: (lambda m=m, o=opts[name]: _step(m, o, x)) for name, m in rows.items()}
+        losses = {name: call() for name, call in calls.items()}
+        for name, loss in losses.items():
+            reference = losses["torch RMSNorm" if "RMSNorm" in name else base]
+            if name != "no norm" and abs(loss - reference) > 1e-4 * max(1.0, abs(reference)):
+                raise AssertionError(f"{which}: {name}'s first loss {loss} != {reference}")
     times: dict[str, list[float]] = {name: [] for name in rows}
     for round_ in range(rounds):
         names = list(rows)
         names = names[round_ % len(names):] + names[:round_ % len(names)]
         for name in names:
-            _step(rows[name], opts[name], x)  # warm: allocator and caches
+            calls[name]()  # warm: allocator and caches
             begin = time.perf_counter()
-            _step(rows[name], opts[name], x)
+            calls[name]()
             times[name].append(time.perf_counter() - begin)
     out = []
     for name, samples in times.items():
@@ -240,15 +288,18 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["contiguous", "channels_last"],
                         choices=["contiguous", "channels_last"])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--inference", action="store_true",
+                        help="time eval-mode forward passes under inference mode instead")
     args = parser.parse_args()
-    print("| threads | network | input | layout | row | step ms | x torch |")
+    print("| threads | network | input | layout | row | "
+          f"{'forward' if args.inference else 'step'} ms | x torch |")
     print("|---:|---|---|---|---|---:|---:|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for which in args.networks:
             layouts = ["rows"] if which == "transformer" else args.layouts
             for layout in layouts:
-                for name, ms, ratio in measure(which, layout, args.rounds):
+                for name, ms, ratio in measure(which, layout, args.rounds, args.inference):
                     print(f"| {threads} | {which} | {describe(which)} | {layout} | {name} "
                           f"| {ms:.1f} | {ratio:.2f}x |", flush=True)
 

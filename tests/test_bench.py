@@ -824,10 +824,26 @@ def test_train_step_script_times_the_same_networks(monkeypatch):
         results = script.measure(which, "contiguous", rounds=2)
         assert all(ms > 0 and ratio > 0 for _, ms, ratio in results), results
         assert results[0][2] == 1.0
+    # inference: eval mode, trained-looking running statistics, a folded row for BatchNorm
+    rows, x = script.networks("resnet", "channels_last", inference=True)
+    assert list(rows) == ["torch", "normkit", "normkit fused", "normkit fold_batchnorm",
+                          "no norm"]
+    assert not any(m.training for model in rows.values() for m in model.modules())
+    bns = [m for m in rows["torch"].modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert bns and all(float(m.running_var.sub(1).abs().max()) > 0 for m in bns)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d)
+                   for m in rows["normkit fold_batchnorm"].modules())
+    results = script.measure("mbconv", "channels_last", rounds=2, inference=True)
+    assert [name for name, _, _ in results] == ["torch", "normkit", "normkit fused",
+                                                "normkit fold_batchnorm", "no norm"]
+    assert all(ms > 0 and ratio > 0 for _, ms, ratio in results), results
     torch.manual_seed(1)
     other = script.resnet(8)  # other weights: its first loss differs
     built = script.networks
-    monkeypatch.setattr(script, "networks", lambda which, layout: (
-        {**built(which, layout)[0], "normkit": other}, built(which, layout)[1]))
+    monkeypatch.setattr(script, "networks", lambda which, layout, inference=False: (
+        {**built(which, layout, inference)[0], "normkit": other.train(not inference)},
+        built(which, layout, inference)[1]))
     with pytest.raises(AssertionError, match="first loss"):
         script.measure("resnet", "contiguous", rounds=1)
+    with pytest.raises(AssertionError, match="output departs"):
+        script.measure("resnet", "contiguous", rounds=1, inference=True)
