@@ -187,17 +187,22 @@ def test_instance_norm_running_statistics_take_inference_batch_norm(layout, offs
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("huge_pages", [False, True], ids=["small", "huge-page-output"])
 def test_inference_batch_norm_fold_on_rows_last_input(shape, layout, dtype, affine, grad,
-                                                      monkeypatch):
+                                                      huge_pages, monkeypatch):
     """Inference BatchNorm of channels-last or 2D input from 2^14 elements without a
     gradient for its parameters (the input's may be wanted: the addcmul's is dy * scale)
     is one broadcast addcmul of torch's fold (native._fold_eval); NCHW input, small input
     and, in grad mode, trainable affine parameters keep torch's kernel. Either way the
-    output and the input gradient keep the layout and equal float64 and torch's module."""
+    output and the input gradient keep the layout and equal float64 and torch's module;
+    also where the output is a huge-page out= tensor (which autograd refuses: not when
+    the input needs a gradient)."""
     from oracle import assert_close
 
-    from normkit.kernels import native
+    from normkit.kernels import memory, native
 
+    if huge_pages:  # (outputs this small take kernels.memory's out= path too)
+        monkeypatch.setattr(memory, "MIN_BYTES", 0)
     folds = []
     fold = native._fold_eval
     monkeypatch.setattr(native, "_fold_eval", lambda *a: folds.append(1) or fold(*a))

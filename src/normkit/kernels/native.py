@@ -275,7 +275,9 @@ def _fold_eval(x: Tensor, running_mean: Tensor, running_var: Tensor, weight: Ten
     shift = torch.mul(running_mean, scale).neg_() if bias is None else torch.addcmul(
         bias, running_mean, scale, value=-1.0)
     view = (1, x.shape[1]) + (1,) * (x.dim() - 2)
-    return torch.addcmul(shift.view(view), x, scale.view(view), out=out_like(x))
+    # (out= takes no part in autograd: a fresh huge-page output only without a gradient)
+    out = None if torch.is_grad_enabled() and x.requires_grad else out_like(x)
+    return torch.addcmul(shift.view(view), x, scale.view(view), out=out)
 
 
 def _kernel_dtypes(x: Tensor, *tensors: Tensor | None) -> bool:
