@@ -20,7 +20,8 @@ against torch's BatchNorm backward kernel on the ``(1, N*C, L)`` view (``_row_su
 Run: ``python benchmarks/column_sums.py [--threads 1 2] [--repeats 9]
 [--block-bytes 262144 1048576]`` (under a minute per block size), ``--accuracy`` for
 the errors behind ``FOLD_ROWS``, or ``--folds`` for the kernel's time and BatchNorm's
-error at every fold (the table behind ``FOLD_ROWS_BATCH``).
+error at every fold (the table behind ``FOLD_ROWS_BATCH``), then the backward sums per
+sample against one call over the whole folded matrix.
 """
 
 from __future__ import annotations
@@ -227,6 +228,50 @@ def folds(threads: list[int], repeats: int) -> None:
                       f"{times[name]:.2f} | {err:.1e} |")
 
 
+def _backward_sums_as(way: bool, dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor):
+    """BatchNorm's channels-last backward sums with the whole-matrix fold forced on
+    (``way=True``) or off (one call per sample), whatever the sample size."""
+    saved = channels._blocks_of_samples
+    channels._blocks_of_samples = lambda cols, pool: way
+    try:
+        return channels._backward_sums(dy, x, mean, channels.Pool("batch"))
+    finally:
+        channels._blocks_of_samples = saved
+
+
+def backward_folds(threads: list[int], repeats: int) -> None:
+    """Print, per channels-last shape, the time of BatchNorm's backward sums taken per
+    sample (folded to at most FOLD_ROWS_BATCH rows each) and in one call over the whole
+    (N*L, C) matrix folded to FOLD_ROWS_BATCH rows, and the max relative difference of
+    the pooled sums against float64 of each."""
+    print("\nChannels-last BatchNorm backward sums (sum dy, sum dy (x - mean)): ms per call "
+          "one call per sample / one call over the whole folded matrix; max relative error "
+          "of the pooled sums vs float64\n")
+    print("| threads | shape | per sample ms | whole ms | per sample error | whole error |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for threads_now in threads:
+        torch.set_num_threads(threads_now)
+        for shape in FOLD_SHAPES:
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(shape, generator=gen).add_(1.5).contiguous(
+                memory_format=torch.channels_last)
+            dy = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+            c = shape[1]
+            mean = x.double().mean((0, 2, 3)).float().view(1, c)
+            want = (dy.double().sum((0, 2, 3)),
+                    (dy.double() * (x.double() - mean.double().view(1, c, 1, 1))).sum((0, 2, 3)))
+            errors = []
+            for way in (False, True):
+                got = [t.double().sum(0) for t in _backward_sums_as(way, dy, x, mean)]
+                errors.append(max(float(((g - w).abs() / w.abs().max()).max())
+                                  for g, w in zip(got, want, strict=True)))
+            per_sample, whole = _round_robin_ms(
+                [lambda way=way, args=(dy, x, mean): _backward_sums_as(way, *args)
+                 for way in (False, True)], repeats)
+            print(f"| {threads_now} | {'x'.join(map(str, shape))} | {per_sample:.2f} | "
+                  f"{whole:.2f} | {errors[0]:.1e} | {errors[1]:.1e} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -244,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.folds:
         folds(args.threads, args.repeats)
+        backward_folds(args.threads, args.repeats)
         return
     sizes = args.block_bytes
     print(f"torch {torch.__version__}, COLUMN_BLOCK_BYTES = {channels.COLUMN_BLOCK_BYTES}; "

@@ -451,11 +451,12 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
     if whole is not None and _blocks_of_samples(cols_x, pool):
         # BatchNorm of small samples (those its forward sums in cache blocks): one call
         # over the whole (N*L, C) matrix folded to FOLD_ROWS_BATCH rows, not one per
-        # sample (per-sample calls cost more than they read there: ms per call, one /
-        # two threads, per sample -> whole: 64x64x16x16 0.70 -> 0.31 / 0.98 -> 0.28,
-        # 16x64x32x32 0.35 -> 0.31 / 0.39 -> 0.28, 32x64x32x32 0.74 -> 0.79 / 0.73 ->
-        # 0.46; at 28 x 28 x 192 and 56 x 56 x 64 the whole fold was 1.3-1.9x slower;
-        # the same float64 error either way)
+        # sample (per-sample calls cost more than they read there; column_sums.py
+        # --folds, ms per call, per sample -> whole, one / two threads: 64x64x16x16
+        # 1.29 -> 0.60 / 1.34 -> 0.40, 16x64x32x32 0.40 -> 0.38 / 0.40 -> 0.25; larger
+        # samples keep the per-sample folds, 1.3-1.7x faster with one thread at
+        # 32x64x56x56 and 32x128x28x28, within the noise of the whole fold with two;
+        # the same error either way, 2-4e-7 relative)
         shape = (n * length // whole, whole * c)
         unit = torch.ones(whole * c, dtype=x.dtype, device=x.device)
         _, sx, s1 = _ATEN.native_batch_norm_backward(
