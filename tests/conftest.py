@@ -19,12 +19,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 @pytest.fixture
 def fused_rows_node(monkeypatch):
-    """Small inputs through normkit's fused RMSNorm / residual-add node instead of torch's
-    composite: ``normkit.functional.SMALL_ROWS_COMPOSITE_BELOW`` is a speed rule, and the
-    node's tests need it on small shapes (test_functional checks the rule itself)."""
+    """Small inputs through normkit's fused nodes instead of the unfused compositions:
+    ``normkit.functional.SMALL_ROWS_COMPOSITE_BELOW`` (RMSNorm, residual add) and
+    ``normkit.norms.fused.FUSED_ACT_MIN_ELEMENTS`` (norm + activation) are speed rules,
+    and the nodes' tests need them on small shapes (test_functional and test_fused check
+    the rules themselves)."""
     from normkit import functional
+    from normkit.norms import fused
 
     monkeypatch.setattr(functional, "SMALL_ROWS_COMPOSITE_BELOW", (0, 0))
+    monkeypatch.setattr(fused, "FUSED_ACT_MIN_ELEMENTS", 0)
 
 
 def _denormals_flushed() -> bool:

@@ -765,3 +765,45 @@ def test_engine_size_floor_for_batch_norm_act(monkeypatch):
         check_grads(grads_of(z, [leaf, w, b], dz.float()), grads_of(ref, [x64, w64, b64], dz),
                     torch.float32, ["dx", "dw", "db"])
         assert channels.supports(x0) == engine
+
+
+@pytest.mark.parametrize("layer", ["bn", "gn"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_small_inputs_take_the_norm_then_the_activation(layer, layout, monkeypatch):
+    """Below FUSED_ACT_MIN_ELEMENTS a training call that needs a gradient runs the norm's
+    own path and then the activation's autograd node (cheaper than the fused node there);
+    from it, the fused node. Both give the fused node's output, gradients and running
+    statistics."""
+    import normkit.norms.fused as fused_mod
+
+    monkeypatch.setattr(fused_mod, "FUSED_ACT_MIN_ELEMENTS", 1 << 18)  # the library's rule
+    gen = torch.Generator().manual_seed(5)
+
+    def build():
+        torch.manual_seed(0)
+        if layer == "bn":
+            return BatchNormAct2d(8, act="silu")
+        return GroupNormAct(4, 8, act="silu")
+
+    for shape, small in (((2, 8, 6, 6), True), ((4, 8, 96, 96), False)):
+        x = torch.randn(shape, generator=gen).add_(0.5)
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        dy = torch.randn(shape, generator=gen)
+        module, twin = build(), build()
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = module(xa)
+        node = type(y.grad_fn).__name__
+        assert ("ActFunction" not in node) == small, (shape, node)
+        monkeypatch.setattr(fused_mod, "FUSED_ACT_MIN_ELEMENTS", 0)  # the fused node
+        ref = twin(xb)
+        monkeypatch.setattr(fused_mod, "FUSED_ACT_MIN_ELEMENTS", 1 << 18)
+        assert "ActFunction" in type(ref.grad_fn).__name__
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        grads = torch.autograd.grad(y, [xa, *module.parameters()], dy)
+        grads_ref = torch.autograd.grad(ref, [xb, *twin.parameters()], dy)
+        for got, want in zip(grads, grads_ref, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for got, want in zip(module.buffers(), twin.buffers(), strict=True):
+            torch.testing.assert_close(got, want)
+
