@@ -1088,7 +1088,8 @@ def batch_norm_act(
 #: GroupNormAct with a gradient run their one fused autograd node; below, the norm's own
 #: path and then the activation (torch's autograd node) cost less: the fused node's
 #: Python forward and backward add tens of microseconds a call, more than a pass over so
-#: few values saves (a scratch timing put the crossover between 2^17 and 2^18 elements).
+#: few values saves. The threshold sits above the largest size measured faster unfused
+#: (4x32x32x32, 2^17 elements, below) and under the bench's fused-node rows (8x64x28x28).
 #: Alternated ``normkit bench batch_norm_act group_norm_act`` runs at 1 and 2 threads,
 #: forward+backward, fused node -> this rule: BN+ReLU 3x5x7x9 0.52-0.62x -> 0.66-0.73x,
 #: 4x8x16x16 0.56-0.61x -> 0.71-0.77x, 4x32x32x32 0.72-0.99x -> 0.82-0.91x; GN+SiLU
