@@ -278,13 +278,15 @@ def test_batch_norm_sums_take_the_blocks_only_for_small_samples(threads, sample_
 @pytest.mark.parametrize("mask", [(True, True, True), (True, False, False),
                                   (False, True, True)], ids=["all", "dx", "params"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
-@pytest.mark.parametrize("kind", ["batch", "instance"])
+@pytest.mark.parametrize("kind", ["batch", "instance", "batch-channels-last"])
 def test_nchw_backward_is_torchs_kernel_and_equals_float64(monkeypatch, kind, affine, mask,
                                                            out):
-    """Contiguous input, pooled per channel or per slice: the backward is torch's
-    BatchNorm backward kernel from the saved statistics (the slice sums are never taken),
-    into a fresh or an ``out=`` (huge-page) tensor; every gradient asked for equals
-    float64 autograd of torch's BatchNorm / InstanceNorm."""
+    """Contiguous input, pooled per channel or per slice, and channels-last input pooled
+    per channel with at most ``CHANNELS_LAST_MAX_COUNT`` values (Batch Renormalization
+    takes the engine there): the backward is torch's BatchNorm backward kernel from the
+    saved statistics (the slice sums are never taken), into a fresh or an ``out=``
+    (huge-page) tensor; every gradient asked for equals float64 autograd of torch's
+    BatchNorm / InstanceNorm."""
     monkeypatch.setattr(channels, "_backward_sums", lambda *a: pytest.fail("slice sums"))
     if out:
         monkeypatch.setattr(channels, "out_like", lambda t: torch.empty_like(t))
@@ -293,15 +295,20 @@ def test_nchw_backward_is_torchs_kernel_and_equals_float64(monkeypatch, kind, af
     w64 = torch.randn(6, generator=gen, dtype=torch.float64) if affine else None
     dy64 = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
     x, w, dy = x64.float(), None if w64 is None else w64.float(), dy64.float()
-    pool = channels.Pool(kind)
+    if kind == "batch-channels-last":  # (dy stays contiguous: the engine converts it)
+        x = x.contiguous(memory_format=torch.channels_last)
+        assert x.numel() // 6 <= channels.CHANNELS_LAST_MAX_COUNT
+    pool = channels.Pool(kind.split("-")[0])
     mean, _, rstd = channels.moments(x, pool, 1e-5)
     mask = (mask[0], mask[1] and affine, mask[2])
     got = channels.backward(dy, x, mean, rstd, w, pool, mask)
+    if mask[0] and kind == "batch-channels-last":
+        assert got[0].is_contiguous(memory_format=torch.channels_last)
     leaves = [x64.clone().requires_grad_(), None if w64 is None else w64.clone(),
               torch.zeros(6, dtype=torch.float64)]
     leaves = [t if t is None else t.requires_grad_() for t in leaves]
     ref = (torch.nn.functional.batch_norm(leaves[0], None, None, *leaves[1:], True, eps=1e-5)
-           if kind == "batch" else
+           if kind.startswith("batch") else
            torch.nn.functional.instance_norm(leaves[0], weight=leaves[1], bias=leaves[2],
                                              eps=1e-5))
     ref.backward(dy64)

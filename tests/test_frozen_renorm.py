@@ -172,67 +172,159 @@ def test_renorm_matches_the_paper_formula_with_stopped_gradients():
     assert (r != 1).all() and (d.abs() == 0.5).any()  # the clipping really happened
 
 
-@pytest.mark.parametrize("path", ["engine", "torch-kernel", "channels-last", "compensated",
-                                  "reference"])
-def test_renorm_float32_paths_match_the_paper_formula(path, monkeypatch):
-    """Batch Renormalization's batch statistics come from BatchNorm's fast paths (the
-    slice-sums engine, torch's kernel where accurate) or normkit's compensated core;
-    each path's output, gradients and running statistics equal the paper's formula in
-    float64 (r and d stopped)."""
+def _paper_renorm(x, brn, rm, rv, r_max, d_max):
+    """Batch Renormalization by the paper's formula in float64 (r and d stopped), with
+    the float64 leaves ``(x, weight, bias)`` and the running statistics it updates."""
+    c = x.shape[1]
+    view = (1, c) + (1,) * (x.dim() - 2)
+    x64 = x.detach().double().requires_grad_()
+    w64, b64 = (p.detach().double().requires_grad_() for p in (brn.weight, brn.bias))
+    dims = (0, *range(2, x.dim()))
+    mean, var = x64.mean(dims, keepdim=True), x64.var(dims, correction=0, keepdim=True)
+    sigma_b, sigma = torch.sqrt(var + brn.eps), torch.sqrt(rv.view(view) + brn.eps)
+    r = (sigma_b / sigma).clamp(1 / r_max, r_max).detach()
+    d = ((mean - rm.view(view)) / sigma).clamp(-d_max, d_max).detach()
+    ref = ((x64 - mean) / sigma_b * r + d) * w64.view(view) + b64.view(view)
+    count = x.numel() // c
+    m = brn.momentum
+    running = ((1 - m) * rm + m * mean.view(c).detach(),
+               (1 - m) * rv + m * var.view(c).detach() * count / (count - 1))
+    return ref, (x64, w64, b64), running
+
+
+def _check_renorm(brn, x, r_max, d_max, dtype=torch.float32):
     from oracle import assert_close, assert_grad_close
 
-    from normkit.kernels import channels, native
+    rm, rv = brn.running_mean.double(), brn.running_var.double()
+    x.requires_grad_()
+    y = brn(x)
+    ref, leaves, running = _paper_renorm(x, brn, rm, rv, r_max, d_max)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert_close(y, ref, dtype)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype)
+    got = torch.autograd.grad(y, (x, brn.weight, brn.bias), dy)
+    want = torch.autograd.grad(ref, leaves, dy.double())
+    for g, w_ in zip(got, want, strict=True):
+        assert_grad_close(g, w_, dtype)
+    torch.testing.assert_close(brn.running_mean.double(), running[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(brn.running_var.double(), running[1], rtol=1e-5, atol=1e-6)
 
-    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
-    served = {"engine": [], "torch-kernel": []}
-    engine, kernel = channels.normalize, native.batch_norm_normalized
-    monkeypatch.setattr(channels, "normalize",
-                        lambda *a: served["engine"].append(engine(*a)) or served["engine"][-1])
-    monkeypatch.setattr(native, "batch_norm_normalized",
-                        lambda *a: served["torch-kernel"].append(kernel(*a))
-                        or served["torch-kernel"][-1])
-    gen = torch.Generator().manual_seed(4)
-    brn = normkit.BatchRenorm2d(4, r_max=1.5, d_max=0.5, warmup_steps=0, r_max_steps=0,
-                                d_max_steps=0, momentum=0.3,
-                                backend="reference" if path == "reference" else "auto")
-    offset = 1e4 if path == "compensated" else 1.0
+
+def _renorm_for_paths(gen, offset=1.0, backend="auto", **limits):
+    brn = normkit.BatchRenorm2d(4, momentum=0.3, backend=backend, **limits)
     with torch.no_grad():
         brn.running_mean.copy_(torch.randn(4, generator=gen) + offset)
         brn.running_var.copy_(torch.rand(4, generator=gen) * 4 + 0.5)
         brn.weight.copy_(torch.randn(4, generator=gen))
         brn.bias.copy_(torch.randn(4, generator=gen))
-    rm, rv = brn.running_mean.double(), brn.running_var.double()
+    return brn
+
+
+@pytest.mark.parametrize("path", ["engine", "engine-channels-last",
+                                  "engine-channels-last-few", "torch-kernel",
+                                  "channels-last", "compensated", "engine-ill-conditioned",
+                                  "reference"])
+def test_renorm_float32_paths_match_the_paper_formula(path, monkeypatch):
+    """Past the warm-up, Batch Renormalization takes its batch statistics first (the
+    slice-sums engine, or torch's kernel where accurate), then normalizes once with the
+    corrected affine (``weight * r``, ``weight * d + bias``); ill-conditioned data and
+    the reference backend take normkit's compensated core. Each path's output,
+    gradients and running statistics equal the paper's formula in float64."""
+    from normkit.kernels import channels, native
+
+    engine = path.startswith("engine")
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if engine else 1 << 30)
+    if path == "engine-channels-last":  # channels-last past torch's accurate count (the
+        # engine's own backward sums; "-few": below it, torch's backward kernel)
+        monkeypatch.setattr(channels, "CHANNELS_LAST_MAX_COUNT", 16)
+    if path == "engine-channels-last-few":
+        monkeypatch.setattr(channels, "_backward_sums", lambda *a: pytest.fail("slice sums"))
+    served = {"engine": [], "torch-kernel": []}
+    by, stats = channels.normalize_by, native.batch_norm_stats
+    monkeypatch.setattr(channels, "normalize_by",
+                        lambda *a: served["engine"].append(by(*a)) or served["engine"][-1])
+    monkeypatch.setattr(native, "batch_norm_stats",
+                        lambda *a: served["torch-kernel"].append(stats(*a))
+                        or served["torch-kernel"][-1])
+    gen = torch.Generator().manual_seed(4)
+    offset = 1e4 if path in ("compensated", "engine-ill-conditioned") else 1.0
+    brn = _renorm_for_paths(gen, offset, "reference" if path == "reference" else "auto",
+                            r_max=1.5, d_max=0.5, warmup_steps=0, r_max_steps=0,
+                            d_max_steps=0)
     x = torch.randn(6, 4, 5, 7, generator=gen) * 2 + offset
-    if path == "channels-last":
+    if path in ("channels-last", "engine-channels-last", "engine-channels-last-few"):
         x = x.contiguous(memory_format=torch.channels_last)
-    x.requires_grad_()
-    y = brn(x)
-    if path in served:
-        assert served[path] and served[path][-1] is not None, path
-    elif path == "channels-last":
-        assert served["torch-kernel"][-1] is not None
-    x64 = x.detach().double().requires_grad_()
-    w64, b64 = (p.detach().double().requires_grad_() for p in (brn.weight, brn.bias))
-    dims = (0, 2, 3)
-    mean, var = x64.mean(dims, keepdim=True), x64.var(dims, correction=0, keepdim=True)
-    sigma_b, sigma = torch.sqrt(var + brn.eps), torch.sqrt(rv.view(1, 4, 1, 1) + brn.eps)
-    r = (sigma_b / sigma).clamp(1 / 1.5, 1.5).detach()
-    d = ((mean - rm.view(1, 4, 1, 1)) / sigma).clamp(-0.5, 0.5).detach()
-    ref = ((x64 - mean) / sigma_b * r + d) * w64.view(1, 4, 1, 1) + b64.view(1, 4, 1, 1)
-    assert_close(y, ref, torch.float32)
-    dy = torch.randn(y.shape, generator=gen)
-    got = torch.autograd.grad(y, (x, brn.weight, brn.bias), dy)
-    want = torch.autograd.grad(ref, (x64, w64, b64), dy.double())
-    for g, w_ in zip(got, want, strict=True):
-        assert_grad_close(g, w_, torch.float32)
-    count = x.numel() // 4
-    batch_var = var.view(4) * count / (count - 1)
-    torch.testing.assert_close(brn.running_mean.double(), 0.7 * rm + 0.3 * mean.view(4).detach(),
-                               rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(brn.running_var.double(), 0.7 * rv + 0.3 * batch_var.detach(),
-                               rtol=1e-5, atol=1e-6)
+    _check_renorm(brn, x, 1.5, 0.5)
+    want_engine = path in ("engine", "engine-channels-last", "engine-channels-last-few")
+    want_kernel = path in ("torch-kernel", "channels-last")
+    assert bool(served["engine"]) == want_engine, served
+    assert any(s is not None for s in served["torch-kernel"]) == want_kernel, served
+
+
+def test_renorm_16bit_input_takes_torch_kernel_with_float32_statistics():
+    from normkit.kernels import native
+
+    gen = torch.Generator().manual_seed(6)
+    brn = _renorm_for_paths(gen, r_max=1.5, d_max=0.5, warmup_steps=0, r_max_steps=0,
+                            d_max_steps=0)
+    x = (torch.randn(6, 4, 5, 7, generator=gen) * 2 + 1).to(torch.bfloat16)
+    stats = native.batch_norm_stats(x, brn.eps, brn.weight, brn.bias)
+    assert stats is not None and all(s.dtype == torch.float32 for s in stats)
+    _check_renorm(brn, x, 1.5, 0.5, torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_renorm_warm_up_is_batchnorm_and_matches_the_paper_formula(layout, monkeypatch):
+    """During the warm-up (r_max = 1, d_max = 0) r = 1 and d = 0 exactly: the module
+    runs BatchNorm's path, and its result is still the paper's formula."""
+    calls = []
+    batch_norm = normkit.functional.batch_norm
+    monkeypatch.setattr(normkit.functional, "batch_norm",
+                        lambda *a, **k: calls.append(1) or batch_norm(*a, **k))
+    gen = torch.Generator().manual_seed(7)
+    brn = _renorm_for_paths(gen, warmup_steps=3)
+    assert brn.current_limits() == (1.0, 0.0)
+    x = torch.randn(6, 4, 5, 7, generator=gen) * 2 + 1
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    _check_renorm(brn, x, 1.0, 0.0)
+    assert calls and int(brn.num_batches_tracked) == 1
 
 
 def test_renorm_bad_arguments():
     with pytest.raises(ValueError, match="r_max"):
         normkit.BatchRenorm2d(3, r_max=0.5)
+
+
+@pytest.mark.parametrize("path", ["engine", "torch-kernel", "channels-last", "compensated"])
+def test_renorm_double_backward_float64(path, monkeypatch):
+    """Second derivatives of every renormalizing path equal those of the paper's formula
+    with r and d stopped (finite differences cannot check these: r and d do depend on
+    the batch, by design not through autograd)."""
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    served = []
+    by = channels.normalize_by
+    monkeypatch.setattr(channels, "normalize_by", lambda *a: served.append(1) or by(*a))
+    gen = torch.Generator().manual_seed(8)
+    offset = 1e4 if path == "compensated" else 0.5
+    brn = _renorm_for_paths(gen, offset, r_max=1.5, d_max=0.5, warmup_steps=0,
+                            r_max_steps=0, d_max_steps=0).double()
+    x = torch.randn(2, 4, 4, 5, generator=gen, dtype=torch.float64) * 2 + offset
+    if path == "channels-last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    rm, rv = brn.running_mean.clone(), brn.running_var.clone()
+    y = brn(x)
+    assert bool(served) == (path == "engine")
+    ref, leaves, _ = _paper_renorm(x, brn, rm, rv, 1.5, 0.5)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    v = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in leaves]
+    second = []
+    for out, inputs in ((y, (x, brn.weight, brn.bias)), (ref, leaves)):
+        grads = torch.autograd.grad(out, inputs, dy, create_graph=True)
+        total = sum((g * w).sum() for g, w in zip(grads, v, strict=True))
+        second.append(torch.autograd.grad(total, inputs[:2]))
+    for got, want in zip(*second, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)

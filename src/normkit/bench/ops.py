@@ -274,9 +274,13 @@ OPS: tuple[Op, ...] = (
        lambda d: _trained(TorchFrozenBatchNorm(_channels(d))),
        "F.batch_norm(training=False) on buffers (detectron2's FrozenBatchNorm2d)",
        lambda d: 0, bwd_streams=2, training=False),
-    Op("batch_renorm", IMAGE, "BatchRenorm2d", lambda cls, d: cls(_channels(d)),
+    # past the warm-up (r_max = 3, d_max = 5 from the first step): the renormalizing
+    # regime; during the warm-up (r_max = 1, d_max = 0) BatchRenorm is BatchNorm's path
+    Op("batch_renorm", IMAGE, "BatchRenorm2d",
+       lambda cls, d: cls(_channels(d), warmup_steps=0, r_max_steps=0, d_max_steps=0),
        lambda d: nn.BatchNorm2d(_channels(d)),
-       "torch.nn.BatchNorm2d (train): torch has no Batch Renormalization",
+       "torch.nn.BatchNorm2d (train): torch has no Batch Renormalization; normkit's "
+       "past its warm-up (r_max = 3, d_max = 5)",
        lambda d: 2 * _channels(d)),
     Op("group_norm", IMAGE, "GroupNorm", lambda cls, d: cls(_groups(d), _channels(d)),
        lambda d: nn.GroupNorm(_groups(d), _channels(d)),

@@ -54,7 +54,8 @@ from .memory import empty_like, out_like
 from .native import CHANNELS_LAST_MAX_COUNT, reference_grads, well_conditioned
 
 __all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "wide", "supports", "moments",
-           "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "serves_batch_norm"]
+           "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "normalize_by",
+           "serves_batch_norm"]
 
 #: Largest pooled ``|mean| / std`` for which ``E[x^2] - E[x]^2`` from float32 sums is kept.
 RATIO = 2.0
@@ -112,6 +113,13 @@ def _channels_last(x: Tensor) -> bool:
         return False
     return ((x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
             or (x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)))
+
+
+def _memory_format(x: Tensor) -> torch.memory_format:
+    """``x``'s memory format: contiguous, or channels-last (2D or 3D)."""
+    if not _channels_last(x):
+        return torch.contiguous_format
+    return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
 
 
 def serves_batch_norm(x: Tensor) -> bool:
@@ -502,6 +510,10 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
     n, c = x.shape[:2]
     if x.is_contiguous() and pool.kind != "group":
         return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
+    if pool.kind == "batch" and pool.count(x) <= CHANNELS_LAST_MAX_COUNT:
+        # channels-last with few values per channel: torch's kernel, one pass (accurate
+        # there, as BatchNorm's policy has it; its sums lose precision beyond)
+        return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
     s1, sx = _backward_sums(dy, x, mean, pool)
     dx = dw = db = None
     if mask[1]:
@@ -528,15 +540,16 @@ def _kernel_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                      weight: Tensor | None, pool: Pool, mask: tuple[bool, bool, bool]
                      ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """:func:`backward` of contiguous input pooled per channel (BatchNorm) or per slice
-    (InstanceNorm): torch's BatchNorm backward kernel on ``x`` -- or, per slice, on its
-    ``(1, N*C, L)`` view, each slice a channel -- from the saved statistics.
+    (InstanceNorm), and of channels-last input pooled per channel: torch's BatchNorm
+    backward kernel on ``x`` -- or, per slice, on its ``(1, N*C, L)`` view, each slice a
+    channel -- from the saved statistics.
 
     That kernel runs channel by channel: the two sums, in double across the batch, then
     ``dx`` while the channel's ``dy`` and ``x`` are still in cache -- one pass over memory
     where the sums and a two-step ``k1 dy + k3``, ``+= k2 x`` make three.
     """
     n, c = x.shape[:2]
-    g = dy.contiguous()
+    g = dy.contiguous(memory_format=_memory_format(x))
     if pool.kind == "batch":
         inputs = (g, x, weight, mean.reshape(c), rstd.reshape(c))
     else:
@@ -616,5 +629,23 @@ def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, pool: Pool,
     if stats is None:
         return None
     mean, var, rstd = stats
-    y = _SliceNormFunction.apply(x, weight, bias, mean, rstd, pool, reference)
-    return y, mean, var
+    return normalize_by(x, weight, bias, mean, rstd, pool, reference), mean, var
+
+
+def normalize_by(x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
+                 rstd: Tensor, pool: Pool,
+                 reference: Callable[[Tensor, Tensor | None, Tensor | None], Tensor]) -> Tensor:
+    """The second half of :func:`normalize`: ``y`` from statistics :func:`moments` gave
+    for ``x`` (one pass forward; backward by :func:`backward`, which treats them as
+    ``x``'s own, so they must be). For callers whose affine depends on the statistics,
+    such as Batch Renormalization's ``weight * r`` (``r`` held constant).
+
+    Example:
+        >>> x = torch.randn(16, 4, 64, 64)
+        >>> mean, var, rstd = moments(x, Pool("batch"), 1e-5)
+        >>> ref = lambda x, w, b: torch.nn.functional.batch_norm(x, None, None, w, b, True)
+        >>> y = normalize_by(x, 2 * torch.ones(4), None, mean, rstd, Pool("batch"), ref)
+        >>> torch.allclose(y, ref(x, 2 * torch.ones(4), None), atol=1e-5)
+        True
+    """
+    return _SliceNormFunction.apply(x, weight, bias, mean, rstd, pool, reference)

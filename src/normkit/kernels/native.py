@@ -51,7 +51,7 @@ from .memory import empty_like, out_like
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
-           "batch_norm_eval", "batch_norm_normalized", "group_norm", "instance_norm",
+           "batch_norm_stats", "batch_norm_eval", "kernel_dtypes", "group_norm", "instance_norm",
            "layer_norm2d_nchw", "reference_grads"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
@@ -100,7 +100,7 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         >>> layer_norm(torch.randn(4, 8) + 1e5, (8,), None, None, 1e-5) is None
         True
     """
-    if not _plain_dense(x) or not _kernel_dtypes(x, weight, bias):
+    if not _plain_dense(x) or not kernel_dtypes(x, weight, bias):
         return None
     y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
     return y if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]) else None
@@ -148,7 +148,7 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
     """
     threshold = _bn_threshold(x, training=True)
     if (threshold is None or x.dtype not in _FLOATS
-            or not _kernel_dtypes(x, running_mean, running_var, weight, bias)):
+            or not kernel_dtypes(x, running_mean, running_var, weight, bias)):
         return None
     saved = [t.clone() if t is not None else None for t in (running_mean, running_var)]
     y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var,
@@ -162,30 +162,36 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
     return None
 
 
-def batch_norm_normalized(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
-    """``(xhat, mean, var)``: training-mode BatchNorm of ``x`` without affine or running
-    statistics by torch's kernel (``xhat`` differentiable, ``mean``/``var`` per channel,
-    ``var`` biased), when accurate, else ``None``.
+def batch_norm_stats(x: Tensor, eps: float, *params: Tensor | None
+                     ) -> tuple[Tensor, Tensor] | None:
+    """``(mean, invstd)`` per channel, training-mode BatchNorm's batch statistics by
+    torch's kernel (detached; ``invstd = 1 / sqrt(var + eps)``, ``var`` biased), when
+    accurate and the kernel takes ``params`` (the affine the caller will pass it) beside
+    ``x``, else ``None``.
 
-    ``var`` comes from the kernel's ``1 / sqrt(var + eps)`` (in float64: ``invstd^-2 -
-    eps``), for callers that need the batch variance itself (Batch Renormalization's
-    correction and running statistics).
+    For callers that need the statistics before they normalize (Batch Renormalization's
+    correction enters its affine): the same kernel run again on the same input
+    reproduces them exactly. The kernel's normalized output is dropped.
 
     Example:
-        >>> xhat, mean, var = batch_norm_normalized(torch.randn(8, 3, 4, 4) * 2 + 1, 1e-5)
-        >>> xhat.shape, mean.shape, bool((var > 2).all())
-        (torch.Size([8, 3, 4, 4]), torch.Size([3]), True)
-        >>> batch_norm_normalized(torch.randn(8, 3) + 1e5, 1e-5) is None
+        >>> mean, invstd = batch_norm_stats(torch.randn(8, 3, 4, 4) * 2 + 1, 1e-5)
+        >>> mean.shape, bool((invstd < 0.71).all())
+        (torch.Size([3]), True)
+        >>> batch_norm_stats(torch.randn(8, 3) + 1e5, 1e-5) is None
         True
     """
     threshold = _bn_threshold(x, training=True)
-    if threshold is None or x.dtype not in _FLOATS:
+    if threshold is None or x.dtype not in _FLOATS or not kernel_dtypes(x, *params):
         return None
-    xhat, mean, invstd = torch.native_batch_norm(x, None, None, None, None, True, 0.0, eps)
+    # (16-bit input: a float32 weight selects the kernel's mixed-dtype path, which
+    # returns the statistics in float32 rather than rounded to the input's dtype)
+    unit = (torch.ones(x.shape[1], dtype=torch.float32, device=x.device)
+            if x.dtype in (torch.float16, torch.bfloat16) else None)
+    with torch.no_grad():
+        _, mean, invstd = torch.native_batch_norm(x, unit, None, None, None, True, 0.0, eps)
     if not well_conditioned(mean, invstd, threshold):
         return None
-    var = invstd.detach().double().pow(-2).sub_(eps).clamp_(min=0).to(mean.dtype)
-    return xhat, mean.detach(), var
+    return mean, invstd
 
 
 def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -250,7 +256,7 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
         torch.Size([2, 3])
     """
     threshold = _bn_threshold(x)
-    if (threshold is None or not _kernel_dtypes(x, running_mean, running_var, weight, bias)
+    if (threshold is None or not kernel_dtypes(x, running_mean, running_var, weight, bias)
             or not ratio_within(running_mean, running_var, eps, threshold)):
         return None
     if (threshold == THRESHOLDS["batch_norm_channels_last"]
@@ -280,11 +286,17 @@ def _fold_eval(x: Tensor, running_mean: Tensor, running_var: Tensor, weight: Ten
     return torch.addcmul(shift.view(view), x, scale.view(view), out=out)
 
 
-def _kernel_dtypes(x: Tensor, *tensors: Tensor | None) -> bool:
+def kernel_dtypes(x: Tensor, *tensors: Tensor | None) -> bool:
     """Whether torch's CPU normalization kernels take these dtypes: every tensor in ``x``'s,
     or 16-bit ``x`` with float32 parameters (and statistics). They raise "mixed dtype" on
     other mixes, such as float64 input with float32 parameters, which normkit's own
-    paths serve."""
+    paths serve.
+
+    Example:
+        >>> x, w = torch.randn(2, 3), torch.ones(3)
+        >>> kernel_dtypes(x, w, None), kernel_dtypes(x.half(), w), kernel_dtypes(x.double(), w)
+        (True, True, False)
+    """
     dtype = x.dtype
     for t in tensors:
         if t is not None and t.dtype != dtype:
@@ -332,7 +344,7 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
         >>> group_norm(torch.randn(2, 4, 3), 2, None, None, 1e-5).shape
         torch.Size([2, 4, 3])
     """
-    if not _plain_dense(x) or not _kernel_dtypes(x, weight, bias):
+    if not _plain_dense(x) or not kernel_dtypes(x, weight, bias):
         return None
     n, c = x.shape[:2]
     hxw = x.shape[2:].numel() if x.dim() > 2 else 1

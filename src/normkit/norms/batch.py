@@ -10,7 +10,6 @@ from .. import functional as F
 from ..kernels import channels, native
 from ._base import BackendMixin
 from ._core import (
-    affine_view,
     check_channels,
     check_floating,
     compiling,
@@ -399,54 +398,103 @@ class _BatchRenormForward(_BatchNormForward):
     def forward(self, input: Tensor) -> Tensor:
         if not self.training:
             return super().forward(input)
-        self._check_input_dim(input)
         r_max, d_max = self.current_limits()
+        if r_max == 1.0 and d_max == 0.0:
+            # the warm-up (or limits fixed at 1 and 0): r = 1 and d = 0 exactly, which is
+            # BatchNorm, statistics and running updates alike, so BatchNorm's paths serve
+            return super().forward(input)
+        self._check_input_dim(input)
         factor = self._momentum_factor()
         dims = (0, *range(2, input.dim()))
         count = _stats.reduced_count(input.shape, dims)
         if count <= 1:  # empty batch or one value per channel: BatchNorm's answer
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
                                 self.bias, True, factor, self.eps, backend=self.backend)
+        y = self._renormalized_fast(input, dims, count, r_max, d_max, factor)
+        if y is not None:
+            return y
         xhat, mean, var, mean_lo = self._normalized(input, dims)
+        mean, var = mean.detach().view(-1), var.detach().view(-1)
+        scale, shift = self._corrected_affine(mean, torch.rsqrt(var + self.eps), mean_lo,
+                                              r_max, d_max)
+        self._update_running(mean, var, count, factor)
         view = F._channel_view(input)
-        mean, var = mean.reshape(view), var.reshape(view)
-        with torch.no_grad():  # r and d are constants for autograd (stop-gradient)
-            sigma = torch.sqrt(self.running_var.view(view).to(var.dtype) + self.eps)
-            r = (torch.sqrt(var + self.eps) / sigma).clamp(1.0 / r_max, r_max)
-            # (mean - running_mean) in float64, with the batch mean's low part where the
-            # data sit far from zero: a float32 mean at 1e4 is off by up to 5e-4
-            diff = mean.double() - self.running_mean.view(view).double()
-            if mean_lo is not None:
-                diff += mean_lo.double().reshape(view)
-            d = (diff / sigma.double()).to(var.dtype).clamp(-d_max, d_max)
-            _stats.update_running_(self.running_mean, mean.view(-1), factor)
-            batch_var = _stats.unbiased_var(var, count) if self.unbiased_running_var else var
-            _stats.update_running_(self.running_var, batch_var.view(-1), factor)
-        w = affine_view(self.weight, view)
-        b = affine_view(self.bias, view)
-        scale = r if w is None else w * r
-        shift = d if w is None else w * d
-        if b is not None:
-            shift = shift + b
-        return torch.addcmul(shift, xhat, scale).to(input.dtype)
+        return torch.addcmul(shift.view(view), xhat, scale.view(view)).to(input.dtype)
 
+    def _corrected_affine(self, mean: Tensor, rstd: Tensor, mean_lo: Tensor | None,
+                          r_max: float, d_max: float) -> tuple[Tensor, Tensor]:
+        """``(weight * r, weight * d + bias)`` per channel from the batch's detached
+        ``(C,)`` mean and ``1 / sqrt(var + eps)`` (``mean_lo``: the part of the mean its
+        rounding dropped, or None), differentiable in ``weight`` and ``bias`` only (r and
+        d are constants for autograd: the paper's stop-gradient). The renormalized
+        output is BatchNorm of the batch with this affine. Few, small ops: at small
+        inputs each costs about as much as the normalization."""
+        inv_sigma = torch.add(self.running_var.to(mean.dtype), self.eps).rsqrt_()
+        r = torch.div(inv_sigma, rstd).clamp_(1.0 / r_max, r_max)
+        if mean_lo is None:
+            # well-conditioned statistics (|mean| <= a few std): the float mean is exact
+            # enough, and mean - running_mean rounds once
+            d = torch.sub(mean, self.running_mean.to(mean.dtype)).mul_(inv_sigma)
+        else:
+            # data far from zero: (mean - running_mean) in float64 with the batch mean's
+            # low part (a float32 mean at 1e4 is off by up to 5e-4)
+            d = (mean.double() - self.running_mean.double() + mean_lo.double().view(-1)
+                 ).mul_(inv_sigma.double()).to(mean.dtype)
+        d.clamp_(-d_max, d_max)
+        w, b = self.weight, self.bias
+        if w is None:
+            return r, d if b is None else b + d
+        return w * r, w * d if b is None else torch.addcmul(b, w, d)
+
+    def _update_running(self, mean: Tensor, var: Tensor, count: int, factor: float) -> None:
+        """The running statistics' update from the batch's ``(C,)`` mean and biased
+        variance (BatchNorm's rule)."""
+        batch_var = _stats.unbiased_var(var, count) if self.unbiased_running_var else var
+        _stats.update_running_(self.running_mean, mean, factor)
+        _stats.update_running_(self.running_var, batch_var, factor)
+
+    def _renormalized_fast(self, x: Tensor, dims: tuple[int, ...], count: int, r_max: float,
+                           d_max: float, factor: float) -> Tensor | None:
+        """The renormalized output as BatchNorm with the corrected affine, statistics
+        first (from the slice-sums engine, or torch's kernel where it is accurate), then
+        one normalizing pass whose backward is BatchNorm's: no ``xhat`` tensor and no
+        broadcast affine node. ``None`` where neither serves (CPU ``backend="auto"``
+        only; ill-conditioned data take the compensated path)."""
+        if self.backend != "auto" or F._off_cpu(x) or compiling():
+            return None
+        weight, bias = self.weight, self.bias
+        # (the engine also on channels-last input with few values per channel, where
+        # BatchNorm keeps torch's kernel: its statistics cost as much as the kernel's
+        # whole forward, and the engine's one affine pass is cheaper than a second run)
+        if channels.supports(x, weight, bias):
+            pool = channels.Pool("batch")
+            stats = channels.moments(x.detach(), pool, self.eps)
+            if stats is None:
+                return None
+            mean, var, rstd = (s.view(-1) for s in stats)
+            scale, shift = self._corrected_affine(mean, rstd, None, r_max, d_max)
+            self._update_running(mean, var, count, factor)
+            return channels.normalize_by(x, scale, shift, stats[0], stats[2], pool,
+                                         F._reference(dims, F._channel_view(x), self.eps))
+        stats = native.batch_norm_stats(x, self.eps, weight, bias)
+        if stats is None:
+            return None
+        mean, invstd = stats
+        scale, shift = self._corrected_affine(mean, invstd, None, r_max, d_max)
+        running = (self.running_mean, self.running_var)
+        if not (self.unbiased_running_var and native.kernel_dtypes(x, *running)):
+            self._update_running(mean, invstd.double().pow(-2).sub_(self.eps).clamp_(min=0)
+                                 .to(mean.dtype), count, factor)
+            running = (None, None)
+        # the same kernel on the same input: the statistics r and d came from, again
+        # (and it updates the running statistics, torch's way, after r and d read them)
+        return torch.native_batch_norm(x, scale, shift, *running, True, factor, self.eps)[0]
 
     def _normalized(self, x: Tensor, dims: tuple[int, ...]
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """``(xhat, mean, var, mean_lo)`` of the batch: BatchNorm's fast statistics under
-        ``backend="auto"`` on the CPU (the slice-sums engine, or torch's kernel where it is
-        accurate; ``mean_lo`` None: their data are well-conditioned, so the float mean is
-        exact enough), normkit's compensated core otherwise, with ``mean_lo`` the part of
-        the batch mean its rounding to ``mean`` dropped."""
-        if self.backend == "auto" and not F._off_cpu(x) and not compiling():
-            fast = None
-            if channels.serves_batch_norm(x):
-                fast = channels.normalize(x, None, None, channels.Pool("batch"), self.eps,
-                                          F._reference(dims, F._channel_view(x), self.eps))
-            if fast is None:
-                fast = native.batch_norm_normalized(x, self.eps)
-            if fast is not None:
-                return (*fast, None)
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(xhat, mean, var, mean_lo)`` of the batch by normkit's compensated core
+        (``backend="eager"``/``"reference"``, accelerators, ill-conditioned data), with
+        ``mean_lo`` the part of the batch mean its rounding to ``mean`` dropped."""
         xhat, mean, var = normalize(x, dims, None, None, self.eps, backend=self.backend)
         with torch.no_grad():  # x - mean is exact near the mean: the residual's average
             mean_lo = (_stats.upcast(x.detach()) - mean).mean(dims, keepdim=True)
