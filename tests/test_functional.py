@@ -239,6 +239,109 @@ def test_inference_batch_norm_fold_on_rows_last_input(shape, layout, dtype, affi
         assert_close(dx, dx64, dtype, "input grad")
 
 
+@pytest.mark.parametrize(("shape", "layout"), [
+    ((4, 8, 16, 16), "contiguous"), ((4, 8, 32, 32), "channels_last"),
+    ((2, 8, 3, 3), "channels_last"), ((2, 8, 3, 3), "contiguous"), ((64, 8), "rows"),
+    ((2048, 8), "rows"), ((4, 8, 9), "contiguous"), ((2, 8, 4, 6, 6), "channels_last_3d")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("wanted", ["x", "params", "all"])
+@pytest.mark.parametrize("floors", ["measured", "zero"])
+def test_inference_batch_norm_with_a_gradient(shape, layout, dtype, affine, wanted, floors,
+                                              monkeypatch):
+    """Inference BatchNorm (fixed statistics) in grad mode. Channels-last or 2D input
+    from 2^14 elements whose input alone needs a gradient: the broadcast-addcmul fold.
+    NCHW input whose input alone needs one: torch's kernel forward, ``dy * scale``
+    backward (from EVAL_INPUT_GRAD_MIN_ELEMENTS); with trainable affine: torch's kernels
+    on the ``(1, N*C, L)`` view (from EVAL_PER_SLICE_MIN_ELEMENTS); else torch's kernel.
+    Output and every gradient equal float64 torch, in the input's layout."""
+    from oracle import assert_close, assert_grad_close
+
+    from normkit.kernels import native
+
+    if wanted != "x" and not affine:
+        pytest.skip("no parameters")
+    if floors == "zero":
+        monkeypatch.setattr(native, "EVAL_INPUT_GRAD_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(native, "EVAL_PER_SLICE_MIN_ELEMENTS", 0)
+    taken = []
+    fold, per_slice = native._fold_eval, native._eval_per_slice
+    node = native._EvalInputGradFunction.apply
+    monkeypatch.setattr(native, "_fold_eval", lambda *a: taken.append("fold") or fold(*a))
+    monkeypatch.setattr(native, "_eval_per_slice",
+                        lambda *a: taken.append("per-slice") or per_slice(*a))
+    monkeypatch.setattr(native._EvalInputGradFunction, "apply",
+                        lambda *a: taken.append("node") or node(*a))
+    gen = torch.Generator().manual_seed(12)
+    c = shape[1]
+    cls = {2: normkit.BatchNorm1d, 3: normkit.BatchNorm1d, 4: normkit.BatchNorm2d,
+           5: normkit.BatchNorm3d}[len(shape)]
+    module = cls(c, affine=affine).to(dtype).eval()
+    with torch.no_grad():
+        module.running_mean.copy_(torch.randn(c, generator=gen))
+        module.running_var.copy_(torch.rand(c, generator=gen) + 0.25)
+        if affine:
+            module.weight.copy_(torch.randn(c, generator=gen))
+            module.bias.copy_(torch.randn(c, generator=gen))
+            module.requires_grad_(wanted != "x")
+    fmt = {"channels_last": torch.channels_last, "channels_last_3d": torch.channels_last_3d,
+           "rows": torch.contiguous_format, "contiguous": torch.contiguous_format}[layout]
+    x = torch.randn(shape, generator=gen, dtype=dtype).contiguous(memory_format=fmt)
+    x.requires_grad_(wanted != "params")
+    y = module(x)
+    leaves = [t for t in (x, module.weight, module.bias) if t is not None and t.requires_grad]
+    dy = torch.randn(shape, generator=gen, dtype=dtype).contiguous(memory_format=fmt)
+    grads = torch.autograd.grad(y, leaves, dy)
+    if layout != "contiguous":
+        want_path = ("fold" if wanted == "x" and
+                     x.numel() >= native.BATCH_NORM_EVAL_ADDCMUL_MIN_ELEMENTS else None)
+    elif x.dim() == 2:
+        want_path = None
+    elif wanted == "x":
+        want_path = "node" if x.numel() >= native.EVAL_INPUT_GRAD_MIN_ELEMENTS else None
+    else:
+        want_path = "per-slice" if x.numel() >= native.EVAL_PER_SLICE_MIN_ELEMENTS else None
+    assert taken == ([want_path] if want_path else []), taken
+    assert y.is_contiguous(memory_format=fmt) and y.dtype == dtype
+    torch_module = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
+                    5: torch.nn.BatchNorm3d}[len(shape)](c, affine=affine).double().eval()
+    torch_module.load_state_dict(module.state_dict())
+    torch_module.requires_grad_(wanted != "x")
+    x64 = x.detach().double().requires_grad_(wanted != "params")
+    ref = torch_module(x64)
+    assert_close(y, ref, dtype)
+    ref_leaves = [t for t in (x64, torch_module.weight, torch_module.bias)
+                  if t is not None and t.requires_grad]
+    want = torch.autograd.grad(ref, ref_leaves, dy.double())
+    for got, expected in zip(grads, want, strict=True):
+        assert_grad_close(got, expected, dtype)
+    if wanted != "params":
+        assert grads[0].is_contiguous(memory_format=fmt)
+
+
+@pytest.mark.parametrize("wanted", ["x", "all"])
+def test_inference_batch_norm_double_backward(wanted, monkeypatch):
+    """Second derivatives of the NCHW inference paths with a gradient (the ``dy * scale``
+    node, the per-slice view), by finite differences (float64)."""
+    from normkit.kernels import native
+
+    monkeypatch.setattr(native, "EVAL_INPUT_GRAD_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(native, "EVAL_PER_SLICE_MIN_ELEMENTS", 0)
+    gen = torch.Generator().manual_seed(13)
+    rm, rv = torch.randn(3, generator=gen, dtype=torch.float64), torch.rand(
+        3, generator=gen, dtype=torch.float64) + 0.5
+    x = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    w, b = (torch.randn(3, generator=gen, dtype=torch.float64, requires_grad=wanted == "all")
+            for _ in range(2))
+    inputs = (x, w, b) if wanted == "all" else (x,)
+
+    def fn(x, *params):
+        return F.batch_norm(x, rm, rv, *(params or (w, b)), training=False)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
 @pytest.mark.parametrize("layer", ["BatchNorm2d", "InstanceNorm2d", "FrozenBatchNorm2d"])
 @pytest.mark.parametrize(("x_dtype", "buffer_dtype"), [
     (torch.float64, torch.float32), (torch.float32, torch.float64),

@@ -51,7 +51,12 @@ import torch
 from torch import Tensor
 
 from .memory import empty_like, out_like
-from .native import CHANNELS_LAST_MAX_COUNT, reference_grads, well_conditioned
+from .native import (
+    CHANNELS_LAST_MAX_COUNT,
+    memory_format_of,
+    reference_grads,
+    well_conditioned,
+)
 
 __all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "wide", "supports", "moments",
            "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "normalize_by",
@@ -113,13 +118,6 @@ def _channels_last(x: Tensor) -> bool:
         return False
     return ((x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
             or (x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)))
-
-
-def _memory_format(x: Tensor) -> torch.memory_format:
-    """``x``'s memory format: contiguous, or channels-last (2D or 3D)."""
-    if not _channels_last(x):
-        return torch.contiguous_format
-    return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
 
 
 def serves_batch_norm(x: Tensor) -> bool:
@@ -549,7 +547,7 @@ def _kernel_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
     where the sums and a two-step ``k1 dy + k3``, ``+= k2 x`` make three.
     """
     n, c = x.shape[:2]
-    g = dy.contiguous(memory_format=_memory_format(x))
+    g = dy.contiguous(memory_format=memory_format_of(x))
     if pool.kind == "batch":
         inputs = (g, x, weight, mean.reshape(c), rstd.reshape(c))
     else:

@@ -51,7 +51,8 @@ from .memory import empty_like, out_like
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
-           "batch_norm_stats", "batch_norm_eval", "kernel_dtypes", "group_norm", "instance_norm",
+           "batch_norm_stats", "batch_norm_eval", "kernel_dtypes",
+           "memory_format_of", "group_norm", "instance_norm",
            "layer_norm2d_nchw", "reference_grads"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
@@ -83,6 +84,24 @@ def well_conditioned(mean: Tensor, rstd: Tensor, threshold: float) -> bool:
 
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def memory_format_of(x: Tensor) -> torch.memory_format:
+    """``x``'s memory format: channels-last (2D or 3D) where ``x`` is, else contiguous.
+
+    Example:
+        >>> memory_format_of(torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last))
+        torch.channels_last
+        >>> memory_format_of(torch.randn(2, 3))
+        torch.contiguous_format
+    """
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
 
 
 def _plain_dense(x: Tensor) -> bool:
@@ -248,7 +267,10 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
     when the running mean is large relative to the running spread. On channels-last and
     2D input from :data:`BATCH_NORM_EVAL_ADDCMUL_MIN_ELEMENTS`, when no gradient is wanted
     for the parameters or statistics, the same fold runs as a broadcast ``addcmul``
-    (faster there than torch's kernel, forward and backward).
+    (faster there than torch's kernel, forward and backward). On NCHW input with a
+    gradient, from :data:`EVAL_INPUT_GRAD_MIN_ELEMENTS` (the input's alone: backward
+    ``dy * scale``) or :data:`EVAL_PER_SLICE_MIN_ELEMENTS` (trainable affine: torch's
+    kernels per ``(n, c)`` slice), faster backward passes than torch's.
 
     Example:
         >>> batch_norm_eval(torch.randn(2, 3), torch.zeros(3), torch.ones(3), None, None,
@@ -259,16 +281,76 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
     if (threshold is None or not kernel_dtypes(x, running_mean, running_var, weight, bias)
             or not ratio_within(running_mean, running_var, eps, threshold)):
         return None
+    grads = torch.is_grad_enabled() and (x.requires_grad or any(
+        t is not None and t.requires_grad for t in (weight, bias)))
     if (threshold == THRESHOLDS["batch_norm_channels_last"]
             and x.numel() >= BATCH_NORM_EVAL_ADDCMUL_MIN_ELEMENTS
             and x.dtype in (torch.float32, torch.float64) and running_mean.dtype == x.dtype
-            and not (torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad
-                for t in (weight, bias, running_mean, running_var)))):
+            and not (grads and any(t is not None and t.requires_grad
+                                   for t in (weight, bias, running_mean, running_var)))):
         # (a gradient for x alone is the addcmul's: dy * scale, one broadcast multiply)
         return _fold_eval(x, running_mean, running_var, weight, bias, eps)
+    if (grads and x.dim() > 2 and x.is_contiguous() and x.dtype in (torch.float32, torch.float64)
+            and not any(t is not None and t.dtype != x.dtype
+                        for t in (weight, bias, running_mean, running_var))):
+        params = any(t is not None and t.requires_grad for t in (weight, bias))
+        if not params and x.numel() >= EVAL_INPUT_GRAD_MIN_ELEMENTS:
+            return _EvalInputGradFunction.apply(x, weight, bias, running_mean, running_var,
+                                                eps)
+        if params and x.numel() >= EVAL_PER_SLICE_MIN_ELEMENTS:
+            return _eval_per_slice(x, weight, bias, running_mean, running_var, eps)
     return torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0,
                                    eps)[0]
+
+
+#: Fewest elements from which inference BatchNorm of NCHW input whose gradient alone is
+#: wanted runs :class:`_EvalInputGradFunction`: torch's inference backward kernel also
+#: computes the parameters' sums nobody asked for, and the node's broadcast multiply
+#: instead makes forward+backward 1.34-2.02x faster from 2^20 elements; below, the
+#: node's Python costs what it saves (0.43-0.89x at 945 to 131072 elements, 0.98-1.01x
+#: at 401408; ``benchmarks/eval_backward.py``, 1 and 2 threads, glibc heap reuse).
+EVAL_INPUT_GRAD_MIN_ELEMENTS = 1 << 19
+#: Fewest elements from which inference BatchNorm of NCHW input with trainable affine
+#: runs torch's kernels on the ``(1, N*C, L)`` view, parameters repeated per sample (as
+#: torch's own InstanceNorm does): their backward reduces each contiguous slice instead
+#: of each channel across the batch, forward+backward 1.08-1.72x faster from 2^20
+#: elements, 0.27-0.77x below 2^19 (``benchmarks/eval_backward.py``, as above).
+EVAL_PER_SLICE_MIN_ELEMENTS = 1 << 20
+
+
+class _EvalInputGradFunction(torch.autograd.Function):
+    """Inference BatchNorm (fixed statistics, parameters without a gradient) of an input
+    that needs one: torch's kernel forward, backward ``dy * weight / sqrt(running_var +
+    eps)``, one broadcast multiply (differentiable in ``dy``; nothing else is)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps):
+        scale = torch.rsqrt(running_var + eps)
+        if weight is not None:
+            scale.mul_(weight)
+        ctx.save_for_backward(scale.view((1, x.shape[1]) + (1,) * (x.dim() - 2)))
+        return torch.native_batch_norm(x, weight, bias, running_mean, running_var, False,
+                                       0.0, eps)[0]
+
+    @staticmethod
+    def backward(ctx, dy):
+        (scale,) = ctx.saved_tensors
+        return dy * scale, None, None, None, None, None
+
+
+def _eval_per_slice(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                    running_mean: Tensor, running_var: Tensor, eps: float) -> Tensor:
+    """Inference BatchNorm of contiguous ``(N, C, *)`` input as torch's kernel on its
+    ``(1, N*C, L)`` view, every per-channel tensor repeated per sample."""
+    n, c = x.shape[:2]
+
+    def per_slice(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.repeat(n)
+
+    y = torch.native_batch_norm(x.view(1, n * c, -1), per_slice(weight), per_slice(bias),
+                                per_slice(running_mean), per_slice(running_var), False, 0.0,
+                                eps)[0]
+    return y.view(x.shape)
 
 
 def _fold_eval(x: Tensor, running_mean: Tensor, running_var: Tensor, weight: Tensor | None,
