@@ -328,3 +328,45 @@ def test_renorm_double_backward_float64(path, monkeypatch):
         second.append(torch.autograd.grad(total, inputs[:2]))
     for got, want in zip(*second, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("module_dtype", [torch.float16, torch.bfloat16])
+def test_renorm_16bit_module_takes_torch_kernel(module_dtype):
+    """A 16-bit module (16-bit parameters and running statistics) on 16-bit input past
+    the warm-up: torch's kernel with the float32 correction; the 16-bit running
+    statistics are updated here (the kernel takes no 16-bit buffers beside float32
+    affine), and everything matches the paper's formula in float64."""
+    from oracle import assert_close
+
+    gen = torch.Generator().manual_seed(14)
+    brn = _renorm_for_paths(gen, r_max=1.5, d_max=0.5, warmup_steps=0, r_max_steps=0,
+                            d_max_steps=0).to(module_dtype)
+    rm, rv = brn.running_mean.double(), brn.running_var.double()
+    x = (torch.randn(6, 4, 5, 7, generator=gen) * 2 + 1).to(module_dtype).requires_grad_()
+    y = brn(x)
+    ref, leaves, running = _paper_renorm(x, brn, rm, rv, 1.5, 0.5)
+    assert y.dtype == module_dtype
+    assert_close(y, ref, module_dtype)
+    y.float().sum().backward()
+    assert x.grad is not None and brn.weight.grad.dtype == module_dtype
+    tol = dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(brn.running_mean.double(), running[0], **tol)
+    torch.testing.assert_close(brn.running_var.double(), running[1], **tol)
+
+
+@pytest.mark.parametrize("path", ["engine", "torch-kernel"])
+def test_renorm_biased_running_variance(path, monkeypatch):
+    """``unbiased_running_var=False`` (the Keras/Flax convention) on both fast paths: the
+    running variance follows the biased batch variance."""
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    gen = torch.Generator().manual_seed(15)
+    brn = normkit.BatchRenorm2d(4, momentum=0.5, unbiased_running_var=False, warmup_steps=0,
+                                r_max_steps=0, d_max_steps=0)
+    x = torch.randn(6, 4, 5, 7, generator=gen) * 3 + 1
+    rv = brn.running_var.clone()
+    brn(x)
+    var = x.double().var((0, 2, 3), correction=0)
+    torch.testing.assert_close(brn.running_var.double(), 0.5 * rv.double() + 0.5 * var,
+                               rtol=1e-5, atol=1e-6)

@@ -482,7 +482,9 @@ class _BatchRenormForward(_BatchNormForward):
         mean, invstd = stats
         scale, shift = self._corrected_affine(mean, invstd, None, r_max, d_max)
         running = (self.running_mean, self.running_var)
-        if not (self.unbiased_running_var and native.kernel_dtypes(x, *running)):
+        # (torch's kernel updates the running statistics when it takes their dtype beside
+        # the affine's: 16-bit buffers of a 16-bit module go with float32 r and d here)
+        if not (self.unbiased_running_var and native.kernel_dtypes(x, scale, shift, *running)):
             self._update_running(mean, invstd.double().pow(-2).sub_(self.eps).clamp_(min=0)
                                  .to(mean.dtype), count, factor)
             running = (None, None)
