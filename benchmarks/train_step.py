@@ -40,6 +40,14 @@ more row for the BatchNorm networks, **normkit fold_batchnorm**: the BatchNorms 
 into the convolutions before them (``normkit.fold_batchnorm``); every row's output is
 checked against torch's.
 
+``--frozen-statistics`` times training steps of the BatchNorm networks with every
+BatchNorm in eval mode (running statistics from two training-mode passes, affine still
+trained): the fine-tuning recipe that freezes a pretrained backbone's statistics. Two
+more rows freeze the affine too (detectron2's recipe; the same first loss): **torch
+FrozenBatchNorm2d** (detectron2's form, ``F.batch_norm(training=False)`` on buffers) and
+**normkit FrozenBatchNorm2d** (``normkit.freeze_batchnorm``), whose ratio is to the
+former.
+
 The figures are for reading, not asserting: one machine, one run.
 """
 
@@ -55,7 +63,7 @@ import torch
 from torch import nn
 
 import normkit
-from normkit.bench.ops import PermutedLayerNorm
+from normkit.bench.ops import PermutedLayerNorm, TorchFrozenBatchNorm
 from normkit.tools.convert import is_norm_layer
 
 #: (batch, channels, height = width) of the image networks; (tokens, d) of the transformer.
@@ -160,6 +168,30 @@ def fused(model: nn.Module) -> nn.Module:
     return model
 
 
+def torch_frozen(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with each BatchNorm2d made detectron2's FrozenBatchNorm2d form
+    (:class:`normkit.bench.ops.TorchFrozenBatchNorm`: statistics and affine as buffers)."""
+    model = copy.deepcopy(model)
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, nn.BatchNorm2d):
+                frozen = TorchFrozenBatchNorm(child.num_features, child.eps)
+                frozen.load_state_dict({key: value.detach() for key, value in
+                                        child.state_dict().items() if key in
+                                        ("weight", "bias", "running_mean", "running_var")})
+                setattr(module, name, frozen)
+    return model
+
+
+def _reference_row(name: str, base: str) -> str:
+    """The row a row's ratio (and first loss) is taken against."""
+    if "RMSNorm" in name:
+        return "torch RMSNorm"
+    if name == "normkit FrozenBatchNorm2d":
+        return "torch FrozenBatchNorm2d"
+    return base
+
+
 def without_norms(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every normalization layer replaced by ``nn.Identity``."""
     model = copy.deepcopy(model)
@@ -170,14 +202,24 @@ def without_norms(model: nn.Module) -> nn.Module:
     return model
 
 
-def networks(which: str, layout: str, inference: bool = False
+def networks(which: str, layout: str, inference: bool = False, frozen: bool = False
              ) -> tuple[dict[str, nn.Module], torch.Tensor]:
     """The rows (name -> network, all from one seeded torch network) and the input.
 
     ``inference``: every row in eval mode, its BatchNorms' running statistics those of two
     training-mode passes over the input (not 0 and 1), plus ``normkit fold_batchnorm``
-    for networks with BatchNorm."""
-    rows, x = _networks(which, layout, inference)
+    for networks with BatchNorm. ``frozen``: those statistics too, the networks in
+    training mode but every BatchNorm in eval mode, plus both FrozenBatchNorm2d rows."""
+    rows, x = _networks(which, layout, inference or frozen)
+    if frozen:
+        rows = {name: model for name, model in rows.items() if "fold" not in name}
+        rows["torch FrozenBatchNorm2d"] = torch_frozen(rows["torch"])
+        rows["normkit FrozenBatchNorm2d"] = normkit.freeze_batchnorm(rows["torch"])
+        rows["no norm"] = rows.pop("no norm")  # (last, as in the other modes)
+        for model in rows.values():
+            for module in model.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    module.eval()
     if inference:
         for model in rows.values():
             model.eval()
@@ -232,20 +274,21 @@ def _inference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return model(x)
 
 
-def measure(which: str, layout: str, rounds: int,
-            inference: bool = False) -> list[tuple[str, float, float]]:
+def measure(which: str, layout: str, rounds: int, inference: bool = False,
+            frozen: bool = False) -> list[tuple[str, float, float]]:
     """``(row, median ms, median ratio to the baseline)`` at the current threads: of a
-    training step, or with ``inference`` of an eval-mode forward under inference mode.
+    training step (with ``frozen`` BatchNorm statistics), or with ``inference`` of an
+    eval-mode forward under inference mode.
 
     Raises AssertionError when a row's first-step loss (inference: output) departs from
     its baseline's (a row that computed something else would time something else)."""
-    rows, x = networks(which, layout, inference)
+    rows, x = networks(which, layout, inference, frozen)
     base = next(iter(rows))
     if inference:
         calls = {name: (lambda m=m: _inference(m, x)) for name, m in rows.items()}
         outputs = {name: call() for name, call in calls.items()}
         for name, out in outputs.items():
-            reference = outputs["torch RMSNorm" if "RMSNorm" in name else base]
+            reference = outputs[_reference_row(name, base)]
             if name != "no norm" and not torch.allclose(out, reference, rtol=1e-4,
                                                         atol=1e-4):
                 raise AssertionError(f"{which}: {name}'s output departs from {base}'s")
@@ -255,7 +298,7 @@ def measure(which: str, layout: str, rounds: int,
         calls = {name: (lambda m=m, o=opts[name]: _step(m, o, x)) for name, m in rows.items()}
         losses = {name: call() for name, call in calls.items()}
         for name, loss in losses.items():
-            reference = losses["torch RMSNorm" if "RMSNorm" in name else base]
+            reference = losses[_reference_row(name, base)]
             if name != "no norm" and abs(loss - reference) > 1e-4 * max(1.0, abs(reference)):
                 raise AssertionError(f"{which}: {name}'s first loss {loss} != {reference}")
     times: dict[str, list[float]] = {name: [] for name in rows}
@@ -269,7 +312,7 @@ def measure(which: str, layout: str, rounds: int,
             times[name].append(time.perf_counter() - begin)
     out = []
     for name, samples in times.items():
-        reference = times["torch RMSNorm" if "RMSNorm" in name else base]
+        reference = times[_reference_row(name, base)]
         ratio = statistics.median(a / b for a, b in zip(reference, samples, strict=True))
         out.append((name, statistics.median(samples) * 1e3, ratio))
     return out
@@ -290,7 +333,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--inference", action="store_true",
                         help="time eval-mode forward passes under inference mode instead")
+    parser.add_argument("--frozen-statistics", action="store_true",
+                        help="training steps with every BatchNorm in eval mode (BatchNorm "
+                             "networks only)")
     args = parser.parse_args()
+    if args.frozen_statistics and args.inference:
+        parser.error("--frozen-statistics times training steps; --inference forward passes: "
+                     "pick one")
+    if args.frozen_statistics:
+        args.networks = [n for n in args.networks if n in ("resnet", "mbconv")]
+        if not args.networks:
+            parser.error("--frozen-statistics needs a BatchNorm network: resnet or mbconv")
     print("| threads | network | input | layout | row | "
           f"{'forward' if args.inference else 'step'} ms | x torch |")
     print("|---:|---|---|---|---|---:|---:|")
@@ -299,7 +352,8 @@ def main() -> None:
         for which in args.networks:
             layouts = ["rows"] if which == "transformer" else args.layouts
             for layout in layouts:
-                for name, ms, ratio in measure(which, layout, args.rounds, args.inference):
+                for name, ms, ratio in measure(which, layout, args.rounds, args.inference,
+                                               args.frozen_statistics):
                     print(f"| {threads} | {which} | {describe(which)} | {layout} | {name} "
                           f"| {ms:.1f} | {ratio:.2f}x |", flush=True)
 

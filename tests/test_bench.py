@@ -845,10 +845,25 @@ def test_train_step_script_times_the_same_networks(monkeypatch):
     assert [name for name, _, _ in results] == ["torch", "normkit", "normkit fused",
                                                 "normkit fold_batchnorm", "no norm"]
     assert all(ms > 0 and ratio > 0 for _, ms, ratio in results), results
+    # frozen statistics: training mode, every BatchNorm in eval mode; both FrozenBatchNorm
+    # rows carry torch's state (the first losses agree, else measure raises)
+    rows, x = script.networks("resnet", "contiguous", frozen=True)
+    assert list(rows) == ["torch", "normkit", "normkit fused", "torch FrozenBatchNorm2d",
+                          "normkit FrozenBatchNorm2d", "no norm"]
+    bns = [m for model in rows.values() for m in model.modules()
+           if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert bns and not any(m.training for m in bns)
+    assert all(model.training for model in rows.values())
+    assert not list(rows["torch FrozenBatchNorm2d"].modules())[0].state_dict().keys() - set(
+        rows["torch"].state_dict())
+    results = script.measure("mbconv", "contiguous", rounds=2, frozen=True)
+    assert [name for name, _, _ in results][-3:] == ["torch FrozenBatchNorm2d",
+                                                     "normkit FrozenBatchNorm2d", "no norm"]
+    assert all(ms > 0 and ratio > 0 for _, ms, ratio in results), results
     torch.manual_seed(1)
     other = script.resnet(8)  # other weights: its first loss differs
     built = script.networks
-    monkeypatch.setattr(script, "networks", lambda which, layout, inference=False: (
+    monkeypatch.setattr(script, "networks", lambda which, layout, inference=False, frozen=False: (
         {**built(which, layout, inference)[0], "normkit": other.train(not inference)},
         built(which, layout, inference)[1]))
     with pytest.raises(AssertionError, match="first loss"):
