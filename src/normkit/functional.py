@@ -114,15 +114,8 @@ def _torch_kernels(backend: str, x: Tensor) -> bool:
     return backend == "auto" and _off_cpu(x)
 
 
-def _channels_last_format(x: Tensor) -> torch.memory_format | None:
-    """``channels_last``(``_3d``) when ``x`` is laid out so and not also plainly contiguous."""
-    if x.is_contiguous():
-        return None
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return None
+#: ``channels_last`` (``_3d``) when a tensor is laid out so, else ``None``.
+_channels_last_format = native.channels_last_format
 
 
 def _channel_view(x: Tensor) -> tuple[int, ...]:

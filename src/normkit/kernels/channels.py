@@ -53,7 +53,7 @@ from torch import Tensor
 from .memory import empty_like, out_like
 from .native import (
     CHANNELS_LAST_MAX_COUNT,
-    memory_format_of,
+    channels_last_format,
     reference_grads,
     well_conditioned,
 )
@@ -547,7 +547,7 @@ def _kernel_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
     where the sums and a two-step ``k1 dy + k3``, ``+= k2 x`` make three.
     """
     n, c = x.shape[:2]
-    g = dy.contiguous(memory_format=memory_format_of(x))
+    g = dy.contiguous(memory_format=channels_last_format(x) or torch.contiguous_format)
     if pool.kind == "batch":
         inputs = (g, x, weight, mean.reshape(c), rstd.reshape(c))
     else:

@@ -52,7 +52,7 @@ _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
            "batch_norm_stats", "batch_norm_eval", "kernel_dtypes",
-           "memory_format_of", "group_norm", "instance_norm",
+           "channels_last_format", "group_norm", "instance_norm",
            "layer_norm2d_nchw", "reference_grads"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
@@ -86,22 +86,23 @@ def well_conditioned(mean: Tensor, rstd: Tensor, threshold: float) -> bool:
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def memory_format_of(x: Tensor) -> torch.memory_format:
-    """``x``'s memory format: channels-last (2D or 3D) where ``x`` is, else contiguous.
+def channels_last_format(x: Tensor) -> torch.memory_format | None:
+    """``channels_last`` (``_3d``) when ``x`` is laid out so and not also plainly
+    contiguous, else ``None``.
 
     Example:
-        >>> memory_format_of(torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last))
+        >>> channels_last_format(torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last))
         torch.channels_last
-        >>> memory_format_of(torch.randn(2, 3))
-        torch.contiguous_format
+        >>> channels_last_format(torch.randn(2, 3)) is None
+        True
     """
     if x.is_contiguous():
-        return torch.contiguous_format
+        return None
     if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
     if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
         return torch.channels_last_3d
-    return torch.contiguous_format
+    return None
 
 
 def _plain_dense(x: Tensor) -> bool:
