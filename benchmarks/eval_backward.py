@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from normkit.bench.measure import Timer, calibrate, interleaved
 from normkit.kernels import native
 
 SHAPES = ("3x5x7x9", "4x32x32x32", "8x64x28x28", "16x64x32x32", "32x256x14x14",
@@ -68,23 +68,11 @@ def measure(shape: tuple[int, ...], params: bool, rounds: int) -> dict[str, floa
     for way in ways:
         for got, expected in zip(step(way), want, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    number = max(1, int(5e-3 / _once(lambda: step("kernel"))))  # each sample ~5 ms
-    times = {way: [] for way in ways}
-    for round_ in range(rounds):
-        for way in (list(ways) if round_ % 2 == 0 else list(ways)[::-1]):
-            step(way)
-            begin = time.perf_counter()
-            for _ in range(number):
-                step(way)
-            times[way].append((time.perf_counter() - begin) / number * 1e3)
-    return {way: statistics.median(samples) for way, samples in times.items()}
-
-
-def _once(call) -> float:
-    call()
-    begin = time.perf_counter()
-    call()
-    return max(time.perf_counter() - begin, 1e-7)
+    timer = Timer()
+    number = calibrate(timer(lambda: step("kernel")), 5e-3)  # each sample ~5 ms
+    samples = interleaved({way: (lambda w=way: step(w)) for way in ways}, timer, rounds,
+                          number)
+    return {way: statistics.median(times) * 1e3 for way, times in samples.items()}
 
 
 def main() -> None:

@@ -308,15 +308,17 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
 #: wanted runs :class:`_EvalInputGradFunction`: torch's inference backward kernel also
 #: computes the parameters' sums nobody asked for, and the node's broadcast multiply
 #: instead makes forward+backward 1.34-2.02x faster from 2^20 elements; below, the
-#: node's Python costs what it saves (0.43-0.89x at 945 to 131072 elements, 0.98-1.01x
-#: at 401408; ``benchmarks/eval_backward.py``, 1 and 2 threads, glibc heap reuse).
+#: node's Python costs what it saves (0.41-0.89x at 945 to 131072 elements, 0.90-1.16x
+#: at 401408; ``benchmarks/eval_backward.py``, two runs at 1 and 2 threads, glibc heap
+#: reuse).
 EVAL_INPUT_GRAD_MIN_ELEMENTS = 1 << 19
 #: Fewest elements from which inference BatchNorm of NCHW input with trainable affine
 #: runs torch's kernels on the ``(1, N*C, L)`` view, parameters repeated per sample (as
 #: torch's own InstanceNorm does): their backward reduces each contiguous slice instead
-#: of each channel across the batch, forward+backward 1.08-1.72x faster from 2^20
-#: elements, 0.27-0.77x below 2^19 (``benchmarks/eval_backward.py``, as above).
-EVAL_PER_SLICE_MIN_ELEMENTS = 1 << 20
+#: of each channel across the batch, forward+backward 1.22-1.72x faster from 1605632
+#: elements (32x256x14x14), 0.87-1.38x at 2^20, 0.22-0.90x below
+#: (``benchmarks/eval_backward.py``, as above).
+EVAL_PER_SLICE_MIN_ELEMENTS = 3 << 19
 
 
 class _EvalInputGradFunction(torch.autograd.Function):
