@@ -370,3 +370,26 @@ def test_renorm_biased_running_variance(path, monkeypatch):
     var = x.double().var((0, 2, 3), correction=0)
     torch.testing.assert_close(brn.running_var.double(), 0.5 * rv.double() + 0.5 * var,
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["engine", "torch-kernel", "compensated"])
+def test_renorm_cumulative_running_statistics(path, monkeypatch):
+    """``momentum=None`` past the warm-up: the running statistics are the plain average
+    of the batches' (torch's cumulative rule), on every path."""
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    gen = torch.Generator().manual_seed(16)
+    brn = normkit.BatchRenorm2d(4, momentum=None, warmup_steps=0, r_max_steps=0,
+                                d_max_steps=0)
+    offset = 1e4 if path == "compensated" else 1.0
+    batches = [torch.randn(6, 4, 5, 7, generator=gen) * 3 + offset for _ in range(3)]
+    for x in batches:
+        brn(x)
+    means = torch.stack([x.double().mean((0, 2, 3)) for x in batches])
+    variances = torch.stack([x.double().var((0, 2, 3)) for x in batches])  # unbiased
+    assert int(brn.num_batches_tracked) == 3
+    torch.testing.assert_close(brn.running_mean.double(), means.mean(0), rtol=1e-6,
+                               atol=1e-6 * offset)
+    torch.testing.assert_close(brn.running_var.double(), variances.mean(0), rtol=1e-5,
+                               atol=1e-5)
