@@ -368,6 +368,60 @@ def test_inplace_unrecoverable_channels_keep_their_input(dtype):
                 dtype, ["dx", "dw", "db"])
 
 
+def test_unrecoverable_channels_rule():
+    """A channel's normalized input is recoverable from the output when ``|gamma| >=
+    max(|beta| / ratio, tiny)`` (ratio 64 in float32); zero, subnormal, NaN and too
+    small gammas are not."""
+    from normkit.norms.fused import _unrecoverable_channels
+
+    x = torch.zeros(2, 6, 3)
+    w = torch.tensor([1.0, 0.0, 1e-40, float("nan"), 0.5, -0.5])
+    b = torch.tensor([0.0, 0.0, 0.0, 0.0, 31.0, -33.0])  # 31/64 < 0.5 < 33/64
+    assert _unrecoverable_channels(None, None, x) is None
+    assert _unrecoverable_channels(w, b, x).tolist() == [1, 2, 3, 5]
+    assert _unrecoverable_channels(w, None, x).tolist() == [1, 2, 3]
+    assert _unrecoverable_channels(None, b, x) is None  # gamma 1 >= 33/64
+    assert _unrecoverable_channels(None, b * 3, x).tolist() == [4, 5]
+    assert _unrecoverable_channels(torch.ones(6), b, x) is None
+
+
+@pytest.mark.parametrize("memory", ["standard", "inplace"])
+@pytest.mark.parametrize("act", ["relu", "leaky_relu", "silu"])
+def test_training_without_a_gradient_runs_the_norm_then_the_activation(memory, act,
+                                                                       monkeypatch):
+    """Training mode under no_grad (statistics recalibration, e.g. SWA's update_bn):
+    no autograd node to save for, so BatchNorm's path then the activation in place; the
+    output and the running statistics equal the fused node's. In-Place ABN still
+    overwrites an intermediate input that requires grad, as documented."""
+    from normkit.norms import fused
+
+    if memory == "inplace" and act != "leaky_relu":
+        pytest.skip("In-Place ABN needs an invertible activation")
+    calls = []
+    node = fused._BatchNormActFunction.apply
+    monkeypatch.setattr(fused._BatchNormActFunction, "apply",
+                        lambda *a: calls.append(1) or node(*a))
+    monkeypatch.setattr(fused, "FUSED_ACT_MIN_ELEMENTS", 0)
+    x = make_input((4, 6, 5, 5), torch.float32, "contiguous", seed=11, scale=2.0, offset=0.5)
+    w, b = torch.rand(6) + 0.5, torch.randn(6)
+    rm, rv = torch.zeros(6), torch.ones(6)
+    with torch.no_grad():
+        z = batch_norm_act(x, rm, rv, w, b, True, act=act, memory=memory)
+    assert not calls
+    rm2, rv2 = torch.zeros(6), torch.ones(6)
+    z2 = batch_norm_act(x.clone().requires_grad_(), rm2, rv2, w, b, True, act=act,
+                        memory=memory)  # the node
+    assert calls
+    torch.testing.assert_close(z, z2.detach())
+    torch.testing.assert_close((rm, rv), (rm2, rv2))
+    if memory == "inplace":
+        calls.clear()
+        inner = x.clone().requires_grad_() * 1
+        with torch.no_grad():
+            out = batch_norm_act(inner, None, None, w, b, True, act=act, memory=memory)
+        assert calls and out.data_ptr() == inner.data_ptr()
+
+
 def saved_bytes(fn) -> int:
     """Bytes of the distinct storages autograd saves while ``fn`` runs (deterministic)."""
     storages = {}

@@ -861,12 +861,19 @@ def _scale_shift(x: Tensor, scale: Tensor, shift: Tensor, overwrite: bool) -> Te
 def _unrecoverable_channels(weight: Tensor | None, bias: Tensor | None, x: Tensor
                             ) -> Tensor | None:
     """Channels whose normalized input cannot be recovered from an output of ``x.dtype``."""
-    c = x.shape[1]
-    gamma = torch.ones(c, device=x.device) if weight is None else weight.detach().float().abs()
-    beta = torch.zeros(c, device=x.device) if bias is None else bias.detach().float().abs()
-    ok = (gamma >= beta / _RECOVERY_RATIO[x.dtype]) & (gamma >= torch.finfo(x.dtype).tiny)
-    idx = (~ok).nonzero().flatten()
-    return idx if idx.numel() else None
+    # recoverable: |gamma| >= max(|beta| / ratio, tiny); NaN is not (few small ops: this
+    # runs on every training step)
+    tiny = torch.finfo(x.dtype).tiny
+    if bias is None:
+        if weight is None:
+            return None  # gamma 1, beta 0
+        bound = tiny
+    else:
+        bound = bias.detach().float().abs().div_(_RECOVERY_RATIO[x.dtype]).clamp_min_(tiny)
+    gamma = (torch.ones((), device=x.device) if weight is None
+             else weight.detach().float().abs())
+    bad = torch.ge(gamma, bound).logical_not_()  # (C,): a weight or a bias is given
+    return bad.nonzero().flatten() if bool(bad.any()) else None
 
 
 def _robust_xhat(x: Tensor, dims: tuple[int, ...], eps: float) -> Tensor:
@@ -1021,9 +1028,10 @@ def batch_norm_act(
     the activation (applied in place on the normalized output) and the backward is
     hand-derived; ``memory="inplace"`` is In-Place Activated BatchNorm (only the output
     is saved; see :mod:`normkit.norms.fused`). In eval, with ``backend="reference"``,
-    for an empty batch and, with ``memory="standard"``, for inputs below
-    :data:`FUSED_ACT_MIN_ELEMENTS` (where the fused node's overhead outweighs it) it is
-    the plain composition.
+    for an empty batch, in training without a gradient (nothing to save; In-Place ABN
+    still overwrites an intermediate input) and, with ``memory="standard"``, for inputs
+    below :data:`FUSED_ACT_MIN_ELEMENTS` (where the fused node's overhead outweighs it)
+    it is the plain composition, the activation in place where nothing needs its input.
 
     Args:
         input: ``(N, C)`` or ``(N, C, *)``.
@@ -1073,8 +1081,14 @@ def batch_norm_act(
         return _activate(activation, y, False)
     dims = (0, *range(2, input.dim()))
     count = _stats.reduced_count(input.shape, dims)
+    # without a gradient (statistics recalibration under no_grad, e.g. SWA's update_bn)
+    # the node has nothing to save: the norm, then the activation in place on its fresh
+    # output -- unless In-Place ABN is to overwrite an intermediate input, as documented
+    node = (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (input, weight, bias))
+            ) or (memory == "inplace" and _can_overwrite(input))
     fused = (training and not reference and input.numel() > 0 and count > 1 and eps > 0
-             and (memory == "inplace" or input.numel() >= FUSED_ACT_MIN_ELEMENTS))
+             and node and (memory == "inplace" or input.numel() >= FUSED_ACT_MIN_ELEMENTS))
     if not fused:  # (F.batch_norm raises the errors: one value per channel, eps <= 0)
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                          eps, unbiased_running_var=unbiased_running_var, backend=backend)
@@ -1293,9 +1307,9 @@ _BN_ACT_DOC = r"""BatchNorm over {what} fused with an activation (and In-Place A
     constructor, parameters, buffers, ``state_dict`` keys and train/eval semantics
     (running statistics, ``momentum=None``, ``num_batches_tracked``), so checkpoints of
     a plain BatchNorm load into it and back; the activation is configuration, not state.
-    In training, normalization and activation are one autograd node with a hand-derived
-    backward (from :data:`FUSED_ACT_MIN_ELEMENTS` elements; smaller inputs run the norm
-    then the activation, which costs less there); ``memory="inplace"`` is In-Place
+    In training with a gradient, normalization and activation are one autograd node with
+    a hand-derived backward (from :data:`FUSED_ACT_MIN_ELEMENTS` elements; smaller inputs
+    run the norm then the activation, which costs less there); ``memory="inplace"`` is In-Place
     Activated BatchNorm (Rota Bulò et al. 2018): only the output is saved and the input
     is recovered in backward, for invertible activations (see :mod:`normkit.norms.fused`
     for the exact treatment of ``gamma`` and when the input buffer is overwritten).
