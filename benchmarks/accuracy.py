@@ -11,8 +11,13 @@ serve training (:data:`normkit.kernels.native.CHANNELS_LAST_MAX_COUNT`): its out
 by values per channel and ``|mean| / std``, the maximum over several seeds and all
 channels, beside normkit's on the same inputs.
 
-Run: ``python benchmarks/accuracy.py [--json FILE]`` or ``python benchmarks/accuracy.py
---counts``
+``--backward-counts`` measures what decides where torch's channels-last BatchNorm backward
+kernel may serve (:data:`normkit.kernels.native.CHANNELS_LAST_BACKWARD_MAX_COUNT`): its
+gradient errors by values per channel, beside the slice-sums engine's, from the same
+accurate statistics.
+
+Run: ``python benchmarks/accuracy.py [--json FILE]``, ``python benchmarks/accuracy.py
+--counts`` or ``python benchmarks/accuracy.py --backward-counts``
 """
 
 from __future__ import annotations
@@ -129,6 +134,78 @@ def channels_last_counts(counts=COUNTS, ratios=RATIOS, seeds: int = SEEDS,
     return rows
 
 
+#: ``--backward-counts``: values per channel (N x 16 x 64 x 64 channels-last images).
+BACKWARD_COUNTS = (8192, 16384, 32768, 65536, 131072, 262144)
+BACKWARD_RATIOS = (0.0, 1.0, 1.9)
+
+
+def _grad_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max error relative to the reference's largest magnitude (at least 1), as the
+    tests' ``assert_grad_close`` measures it."""
+    return float((got.double() - want).abs().max()) / max(1.0, float(want.abs().max()))
+
+
+def channels_last_backward_counts(counts=BACKWARD_COUNTS, ratios=BACKWARD_RATIOS,
+                                  seeds: int = 3) -> list[dict]:
+    """Max gradient errors (dx, dweight, dbias) vs float64 of training-mode BatchNorm's
+    backward on channels-last input, from the same accurate statistics
+    (``normkit.kernels.channels.moments``): torch's backward kernel, which sums
+    sequentially along the positions, against the slice-sums engine's folded sums; over
+    ``seeds`` inputs shifted by each ``ratio`` (``|mean| / std``) and upstream gradients
+    of mean 0 and 1."""
+    from normkit.kernels import channels, native
+
+    rows = []
+    for count in counts:
+        shape = (max(count // 4096, 1), 16, 64, 64)
+        c = shape[1]
+        worst = {f"{way}_{g}": 0.0 for way in ("torch", "normkit") for g in ("dx", "dw", "db")}
+        for seed in range(seeds):
+            for ratio in ratios:
+                for dy_mean in (0.0, 1.0):
+                    g = torch.Generator().manual_seed(seed)
+                    x = (torch.randn(shape, generator=g) + ratio).contiguous(
+                        memory_format=torch.channels_last)
+                    dy = (torch.randn(shape, generator=g) + dy_mean).contiguous(
+                        memory_format=torch.channels_last)
+                    w = torch.rand(c, generator=g) + 0.5
+                    leaves = [x.double().requires_grad_(), w.double().requires_grad_(),
+                              torch.zeros(c, dtype=torch.float64, requires_grad=True)]
+                    ref = nn.functional.batch_norm(leaves[0], None, None, *leaves[1:], True)
+                    want = torch.autograd.grad(ref, leaves, dy.double())
+                    stats = channels.moments(x, channels.Pool("batch"), 1e-5)
+                    if stats is None:  # (past the engine's bound: neither way serves)
+                        continue
+                    mean, _, rstd = stats
+                    kernel = torch.ops.aten.native_batch_norm_backward(
+                        dy, x, w, None, None, mean.view(c), rstd.view(c), True, 1e-5,
+                        [True, True, True])
+                    saved = native.CHANNELS_LAST_BACKWARD_MAX_COUNT
+                    channels.CHANNELS_LAST_BACKWARD_MAX_COUNT = 0  # the engine's own sums
+                    try:
+                        engine = channels.backward(dy, x, mean, rstd, w, channels.Pool("batch"),
+                                                   (True, True, True))
+                    finally:
+                        channels.CHANNELS_LAST_BACKWARD_MAX_COUNT = saved
+                    for way, grads in (("torch", kernel), ("normkit", engine)):
+                        for name, got, ref_grad in zip(("dx", "dw", "db"), grads, want,
+                                                       strict=True):
+                            key = f"{way}_{name}"
+                            worst[key] = max(worst[key], _grad_error(got, ref_grad))
+        rows.append({"count": shape[0] * 4096, **worst})
+    return rows
+
+
+def backward_counts_markdown(rows: list[dict]) -> str:
+    lines = ["| values per channel | torch dx | torch dweight | torch dbias | normkit dx "
+             "| normkit dweight | normkit dbias |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['count']} | {r['torch_dx']:.1e} | {r['torch_dw']:.1e} "
+                     f"| {r['torch_db']:.1e} | {r['normkit_dx']:.1e} | {r['normkit_dw']:.1e} "
+                     f"| {r['normkit_db']:.1e} |")
+    return "\n".join(lines)
+
+
 def counts_markdown(rows: list[dict]) -> str:
     lines = ["| values per channel | mean / std | torch max error | normkit max error "
              "| torch, same values NCHW |", "|---:|---:|---:|---:|---:|"]
@@ -154,8 +231,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--counts", action="store_true",
                         help="channels-last BatchNorm error by values per channel instead")
+    parser.add_argument("--backward-counts", action="store_true",
+                        help="channels-last BatchNorm gradient error by values per channel")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.backward_counts:
+        rows = channels_last_backward_counts()
+        print(f"torch {torch.__version__}, channels-last BatchNorm2d backward (training, "
+              "affine) from accurate statistics, N x 16 x 64 x 64 float32; max gradient "
+              "error relative to the largest reference magnitude (at least 1), over 3 "
+              "seeds, |mean| / std 0, 1, 1.9 and upstream gradients of mean 0 and 1, "
+              "1 thread\n")
+        print(backward_counts_markdown(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.counts:
         rows = channels_last_counts()
         print(f"torch {torch.__version__}, channels-last BatchNorm2d (training, no affine), "

@@ -21,7 +21,9 @@ Run: ``python benchmarks/column_sums.py [--threads 1 2] [--repeats 9]
 [--block-bytes 262144 1048576]`` (under a minute per block size), ``--accuracy`` for
 the errors behind ``FOLD_ROWS``, or ``--folds`` for the kernel's time and BatchNorm's
 error at every fold (the table behind ``FOLD_ROWS_BATCH``), then the backward sums per
-sample against one call over the whole folded matrix.
+sample against one call over the whole folded matrix, then (also alone, ``--backward``)
+the engine's whole channels-last BatchNorm backward against torch's backward kernel
+(the table behind ``CHANNELS_LAST_BACKWARD_MAX_COUNT``).
 """
 
 from __future__ import annotations
@@ -272,6 +274,49 @@ def backward_folds(threads: list[int], repeats: int) -> None:
                   f"{whole:.2f} | {errors[0]:.1e} | {errors[1]:.1e} |")
 
 
+def backward_ways(threads: list[int], repeats: int) -> None:
+    """Print, per channels-last shape, the time of the engine's whole BatchNorm backward
+    (folded sums, then the two elementwise passes) and of torch's backward kernel from the
+    same statistics (one call: sums and ``dx``), ``dx``, ``dweight`` and ``dbias`` all
+    wanted (the table behind ``CHANNELS_LAST_BACKWARD_MAX_COUNT``; the errors are
+    ``benchmarks/accuracy.py --backward-counts``)."""
+    print("\nChannels-last BatchNorm backward: ms per call, the engine's (folded sums + two "
+          "passes) / torch's backward kernel from the same statistics\n")
+    print("| threads | shape | values per channel | engine ms | kernel ms | engine / kernel |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for threads_now in threads:
+        torch.set_num_threads(threads_now)
+        for shape in FOLD_SHAPES:
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+            dy = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+            c = shape[1]
+            weight = torch.rand(c, generator=gen) + 0.5
+            mean, _, rstd = channels.moments(x, channels.Pool("batch"), 1e-5)
+
+            def engine(x=x, dy=dy, weight=weight, mean=mean, rstd=rstd):
+                saved = channels.CHANNELS_LAST_BACKWARD_MAX_COUNT
+                channels.CHANNELS_LAST_BACKWARD_MAX_COUNT = 0  # the engine's own sums
+                try:
+                    return channels.backward(dy, x, mean, rstd, weight,
+                                             channels.Pool("batch"), (True, True, True))
+                finally:
+                    channels.CHANNELS_LAST_BACKWARD_MAX_COUNT = saved
+
+            def kernel(x=x, dy=dy, weight=weight, mean=mean, rstd=rstd, c=c):
+                return torch.ops.aten.native_batch_norm_backward(
+                    dy, x, weight, None, None, mean.view(c), rstd.view(c), True, 1e-5,
+                    [True, True, True])
+
+            for got, want in zip(engine(), kernel(), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+            engine_ms, kernel_ms = _round_robin_ms([engine, kernel], repeats)
+            count = x.numel() // c
+            print(f"| {threads_now} | {'x'.join(map(str, shape))} | {count} | "
+                  f"{engine_ms:.2f} | {kernel_ms:.2f} | {engine_ms / kernel_ms:.2f}x |",
+                  flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -283,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="print the error of each way's sums instead of timing them")
     parser.add_argument("--folds", action="store_true",
                         help="time torch's kernel sums at every fold (BatchNorm) instead")
+    parser.add_argument("--backward", action="store_true",
+                        help="time the engine's channels-last BatchNorm backward against "
+                             "torch's backward kernel instead")
     args = parser.parse_args(argv)
     if args.accuracy:
         accuracy()
@@ -290,6 +338,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.folds:
         folds(args.threads, args.repeats)
         backward_folds(args.threads, args.repeats)
+        backward_ways(args.threads, args.repeats)
+        return
+    if args.backward:
+        backward_ways(args.threads, args.repeats)
         return
     sizes = args.block_bytes
     print(f"torch {torch.__version__}, COLUMN_BLOCK_BYTES = {channels.COLUMN_BLOCK_BYTES}; "

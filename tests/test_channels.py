@@ -282,11 +282,10 @@ def test_batch_norm_sums_take_the_blocks_only_for_small_samples(threads, sample_
 def test_nchw_backward_is_torchs_kernel_and_equals_float64(monkeypatch, kind, affine, mask,
                                                            out):
     """Contiguous input, pooled per channel or per slice, and channels-last input pooled
-    per channel with at most ``CHANNELS_LAST_MAX_COUNT`` values (Batch Renormalization
-    takes the engine there): the backward is torch's BatchNorm backward kernel from the
-    saved statistics (the slice sums are never taken), into a fresh or an ``out=``
-    (huge-page) tensor; every gradient asked for equals float64 autograd of torch's
-    BatchNorm / InstanceNorm."""
+    per channel with at most ``CHANNELS_LAST_BACKWARD_MAX_COUNT`` values: the backward is
+    torch's BatchNorm backward kernel from the saved statistics (the slice sums are never
+    taken), into a fresh or an ``out=`` (huge-page) tensor; every gradient asked for
+    equals float64 autograd of torch's BatchNorm / InstanceNorm."""
     monkeypatch.setattr(channels, "_backward_sums", lambda *a: pytest.fail("slice sums"))
     if out:
         monkeypatch.setattr(channels, "out_like", lambda t: torch.empty_like(t))
@@ -297,7 +296,7 @@ def test_nchw_backward_is_torchs_kernel_and_equals_float64(monkeypatch, kind, af
     x, w, dy = x64.float(), None if w64 is None else w64.float(), dy64.float()
     if kind == "batch-channels-last":  # (dy stays contiguous: the engine converts it)
         x = x.contiguous(memory_format=torch.channels_last)
-        assert x.numel() // 6 <= channels.CHANNELS_LAST_MAX_COUNT
+        assert x.numel() // 6 <= channels.CHANNELS_LAST_BACKWARD_MAX_COUNT
     pool = channels.Pool(kind.split("-")[0])
     mean, _, rstd = channels.moments(x, pool, 1e-5)
     mask = (mask[0], mask[1] and affine, mask[2])
@@ -318,6 +317,36 @@ def test_nchw_backward_is_torchs_kernel_and_equals_float64(monkeypatch, kind, af
             continue
         assert g.shape == leaf.shape and g.dtype == torch.float32, what
         assert_grad_close(g, leaf.grad, torch.float32, what)
+
+
+@pytest.mark.parametrize("bound", ["kernel", "sums"])
+def test_channels_last_batch_backward_bound(bound, monkeypatch):
+    """Channels-last BatchNorm's backward from the engine's statistics: torch's backward
+    kernel up to CHANNELS_LAST_BACKWARD_MAX_COUNT values per channel, the engine's
+    folded sums and two passes past it; both equal float64 autograd within the float32
+    gradient tolerance."""
+    calls = []
+    sums = channels._backward_sums
+    monkeypatch.setattr(channels, "_backward_sums", lambda *a: calls.append(1) or sums(*a))
+    if bound == "sums":
+        monkeypatch.setattr(channels, "CHANNELS_LAST_BACKWARD_MAX_COUNT", 100)
+    gen = torch.Generator().manual_seed(7)
+    x64 = torch.randn(4, 6, 7, 9, generator=gen, dtype=torch.float64).add_(1.0)
+    w64 = torch.rand(6, generator=gen, dtype=torch.float64) + 0.5
+    dy64 = torch.randn(x64.shape, generator=gen, dtype=torch.float64).add_(0.5)
+    x = x64.float().contiguous(memory_format=torch.channels_last)
+    dy = dy64.float().contiguous(memory_format=torch.channels_last)
+    mean, _, rstd = channels.moments(x, channels.Pool("batch"), 1e-5)
+    got = channels.backward(dy, x, mean, rstd, w64.float(), channels.Pool("batch"),
+                            (True, True, True))
+    assert bool(calls) == (bound == "sums")  # (252 values per channel)
+    leaves = [x64.clone().requires_grad_(), w64.clone().requires_grad_(),
+              torch.zeros(6, dtype=torch.float64, requires_grad=True)]
+    ref = torch.nn.functional.batch_norm(leaves[0], None, None, *leaves[1:], True, eps=1e-5)
+    want = torch.autograd.grad(ref, leaves, dy64)
+    for g, w_, what in zip(got, want, ("dx", "dweight", "dbias"), strict=True):
+        assert_grad_close(g, w_, torch.float32, what)
+    assert got[0].is_contiguous(memory_format=torch.channels_last)
 
 
 def test_engine_supports_only_what_it_serves():

@@ -234,9 +234,10 @@ def test_renorm_float32_paths_match_the_paper_formula(path, monkeypatch):
 
     engine = path.startswith("engine")
     monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if engine else 1 << 30)
-    if path == "engine-channels-last":  # channels-last past torch's accurate count (the
-        # engine's own backward sums; "-few": below it, torch's backward kernel)
+    if path == "engine-channels-last":  # channels-last past torch's accurate counts (the
+        # engine's own backward sums; "-few": below them, torch's backward kernel)
         monkeypatch.setattr(channels, "CHANNELS_LAST_MAX_COUNT", 16)
+        monkeypatch.setattr(channels, "CHANNELS_LAST_BACKWARD_MAX_COUNT", 16)
     if path == "engine-channels-last-few":
         monkeypatch.setattr(channels, "_backward_sums", lambda *a: pytest.fail("slice sums"))
     served = {"engine": [], "torch-kernel": []}

@@ -52,8 +52,8 @@ _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
            "batch_norm_stats", "batch_norm_eval", "kernel_dtypes",
-           "channels_last_format", "group_norm", "instance_norm",
-           "layer_norm2d_nchw", "reference_grads"]
+           "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
+           "instance_norm", "layer_norm2d_nchw", "reference_grads"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -129,6 +129,20 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
 #: Most values per channel for which torch's channels-last (and 2D) training-mode
 #: BatchNorm is kept (error <= 1.1e-5 at ratio <= 2; see the tables above).
 CHANNELS_LAST_MAX_COUNT = 8192
+#: Most values per channel for which the slice-sums engine's channels-last BatchNorm
+#: backward is torch's backward kernel, from the engine's accurate statistics (one call:
+#: sums and ``dx``), rather than the engine's folded sums and two elementwise passes:
+#: 1.31-2.07x faster at 16384 to 131072 values (``benchmarks/column_sums.py
+#: --backward``, 1 and 2 threads). The kernel sums ``dy`` and ``dy * (x - mean)``
+#: sequentially along the positions, so its errors grow with the count; max gradient
+#: error relative to the largest reference magnitude, ``|mean| / std`` up to 1.9
+#: (``benchmarks/accuracy.py --backward-counts``), kernel / engine at 131072 values: dx
+#: 2.1e-6 / 3.5e-7, dbias 1.1e-5 / 3.3e-7, dweight 3.6e-5 / 3.3e-5 -- dweight's error is
+#: the same either way (the float32 mean's rounding times ``sum dy``, which the
+#: statistics carry, not the sums), the others stay 4.5x and more under the float32
+#: gradient tolerance of 5e-5. Beyond, torch's dbias error keeps growing (1.6e-5 at
+#: 262144).
+CHANNELS_LAST_BACKWARD_MAX_COUNT = 1 << 17
 
 
 def _bn_threshold(x: Tensor, training: bool = False) -> float | None:
