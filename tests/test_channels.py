@@ -105,20 +105,25 @@ def test_engine_refuses_nan_and_lets_it_propagate():
     assert torch.isnan(y[:, 2]).all() and not torch.isnan(y[:, :2]).any()
 
 
-@pytest.mark.parametrize("kind", ["batch", "instance", "group"])
-def test_double_backward_through_the_engine(kind):
+@pytest.mark.parametrize("kind", ["batch", "instance", "group", "batch-2d"])
+def test_double_backward_through_the_engine(kind, monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(3, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+    if kind == "batch-2d":  # 2D rows through the channels-last view, past a small bound
+        monkeypatch.setattr(channels, "CHANNELS_LAST_MAX_COUNT", 8)
+        x = torch.randn(20, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, dtype=torch.float64, requires_grad=True)
     b = torch.randn(4, dtype=torch.float64, requires_grad=True)
     fn = {
         "batch": lambda x, w, b: normkit.functional.batch_norm(x, None, None, w, b, True),
+        "batch-2d": lambda x, w, b: normkit.functional.batch_norm(x, None, None, w, b, True),
         "instance": lambda x, w, b: normkit.functional.instance_norm(
             x.contiguous(memory_format=torch.channels_last), weight=w, bias=b),
         "group": lambda x, w, b: normkit.functional.group_norm(
             x.contiguous(memory_format=torch.channels_last), 2, w, b),
     }[kind]
-    assert "SliceNorm" in type(fn(x, w, b).grad_fn).__name__
+    y = fn(x, w, b)
+    assert "SliceNorm" in type((y._base if kind == "batch-2d" else y).grad_fn).__name__
     torch.autograd.gradgradcheck(fn, (x, w, b))
 
 
@@ -349,6 +354,49 @@ def test_channels_last_batch_backward_bound(bound, monkeypatch):
     assert got[0].is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_2d_batch_norm_past_torchs_count_takes_the_engine_through_a_view(affine):
+    """BatchNorm1d on 2D ``(N, C)`` input with more rows than torch's kernel sums
+    accurately: the engine on the ``(1, C, N, 1)`` channels-last view of the same memory
+    (no copy), output 2D and contiguous; output, gradients and running statistics equal
+    float64 torch, and the output can be modified in place (ReLU(inplace=True))."""
+    from oracle import assert_close
+
+    from normkit.kernels import native
+
+    gen = torch.Generator().manual_seed(3)
+    n = native.CHANNELS_LAST_MAX_COUNT * 2
+    x64 = torch.randn(n, 24, generator=gen, dtype=torch.float64) * 2 + 1
+    bn = normkit.BatchNorm1d(24, affine=affine, momentum=0.3)
+    if affine:
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5, generator=gen)
+            bn.bias.normal_(generator=gen)
+    ref_bn = torch.nn.BatchNorm1d(24, affine=affine, momentum=0.3).double()
+    ref_bn.load_state_dict(bn.state_dict())
+    x = x64.float().requires_grad_()
+    y = bn(x)
+    assert "SliceNorm" in type(y._base.grad_fn).__name__  # the engine, through the view
+    assert y.shape == (n, 24) and y.is_contiguous()
+    x64.requires_grad_()
+    ref = ref_bn(x64)
+    assert_close(y, ref, torch.float32)
+    dy = torch.randn(n, 24, generator=gen, dtype=torch.float64)
+    leaves = [x, *bn.parameters()]
+    got = torch.autograd.grad(torch.relu_(y.clone()), leaves, dy.float())
+    want = torch.autograd.grad(torch.relu(ref), [x64, *ref_bn.parameters()], dy)
+    for g, w_ in zip(got, want, strict=True):
+        assert_grad_close(g, w_, torch.float32)
+    torch.testing.assert_close(bn.running_mean.double(), ref_bn.running_mean, rtol=1e-6,
+                               atol=1e-6)
+    torch.testing.assert_close(bn.running_var.double(), ref_bn.running_var, rtol=1e-5,
+                               atol=1e-6)
+    y2 = bn(x)
+    torch.relu_(y2)  # in place on the engine's output, through the view
+    y2.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 def test_engine_supports_only_what_it_serves():
     x = torch.randn(2, 3, 8, 8)
     assert channels.supports(x)
@@ -400,8 +448,8 @@ def test_small_channels_last_group_norm_keeps_torchs_kernels_under_the_bound(mon
 def test_large_channels_last_and_2d_batch_norm_avoid_torchs_sequential_sums():
     """torch's channels-last (and 2D) BatchNorm statistics lose precision with the count
     per channel (3e-5 at 131072 values for centered data); normkit keeps them only up to
-    CHANNELS_LAST_MAX_COUNT values and takes the slice-sums engine (4D) or its
-    compensated path (2D) beyond."""
+    CHANNELS_LAST_MAX_COUNT values and takes the slice-sums engine beyond (2D rows
+    through their channels-last view)."""
     from normkit.kernels import native
 
     gen = torch.Generator().manual_seed(0)

@@ -268,10 +268,17 @@ def batch_norm(
         fast = None
         if backend == "auto" and not compiling() and channels.serves_batch_norm(input):
             # NCHW: per-(n, c) row sums, 2-3x faster than torch's kernel; channels-last
-            # with many values per channel: column sums, where torch's kernel loses
-            # precision (kernels.channels)
-            fast = channels.normalize(input, weight, bias, channels.Pool("batch"), eps,
-                                      _reference(dims, view, eps))
+            # (and 2D rows, viewed so) with many values per channel: column sums, where
+            # torch's kernel loses precision (kernels.channels)
+            if input.dim() == 2:
+                fast = channels.normalize(channels.rows_as_channels_last(input), weight,
+                                          bias, channels.Pool("batch"), eps,
+                                          _reference((0, 2, 3), (1, -1, 1, 1), eps))
+                if fast is not None:
+                    fast = (channels.channels_last_as_rows(fast[0]), *fast[1:])
+            else:
+                fast = channels.normalize(input, weight, bias, channels.Pool("batch"), eps,
+                                          _reference(dims, view, eps))
         if fast is not None:
             y, mean, var = fast
         else:

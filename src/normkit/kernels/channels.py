@@ -61,7 +61,7 @@ from .native import (
 
 __all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "wide", "supports", "moments",
            "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "normalize_by",
-           "serves_batch_norm"]
+           "serves_batch_norm", "rows_as_channels_last", "channels_last_as_rows"]
 
 #: Largest pooled ``|mean| / std`` for which ``E[x^2] - E[x]^2`` from float32 sums is kept.
 RATIO = 2.0
@@ -122,19 +122,49 @@ def _channels_last(x: Tensor) -> bool:
 
 
 def serves_batch_norm(x: Tensor) -> bool:
-    """Whether training-mode BatchNorm of ``x`` should take this engine: contiguous input,
-    and channels-last input with more values per channel than torch's channels-last
-    kernel handles accurately (:data:`normkit.kernels.native.CHANNELS_LAST_MAX_COUNT`).
+    """Whether training-mode BatchNorm of ``x`` should take this engine: contiguous input
+    with spatial dims, and channels-last input -- or 2D ``(N, C)`` rows, through
+    :func:`rows_as_channels_last` -- with more values per channel than torch's
+    channels-last kernel handles accurately
+    (:data:`normkit.kernels.native.CHANNELS_LAST_MAX_COUNT`).
 
     Example:
         >>> serves_batch_norm(torch.randn(32, 16, 32, 32))
         True
         >>> serves_batch_norm(torch.randn(32, 16, 8, 8).to(memory_format=torch.channels_last))
         False
+        >>> serves_batch_norm(torch.randn(16384, 32)), serves_batch_norm(torch.randn(64, 32))
+        (True, False)
     """
+    if x.dim() == 2:
+        return x.is_contiguous() and x.shape[0] > CHANNELS_LAST_MAX_COUNT
     if x.is_contiguous():
         return True
     return _channels_last(x) and x.numel() // max(x.shape[1], 1) > CHANNELS_LAST_MAX_COUNT
+
+
+def rows_as_channels_last(x: Tensor) -> Tensor:
+    """A contiguous 2D ``(N, C)`` tensor as the ``(1, C, N, 1)`` channels-last view of the
+    same memory: one sample of ``N`` positions with the channels innermost. BatchNorm over
+    the rows is BatchNorm of this view, whose channels-last paths (folded column sums,
+    one broadcast affine pass) this engine has; the result comes back through
+    :func:`channels_last_as_rows`.
+
+    Example:
+        >>> x = torch.randn(6, 3)
+        >>> v = rows_as_channels_last(x)
+        >>> v.shape, v.is_contiguous(memory_format=torch.channels_last)
+        (torch.Size([1, 3, 6, 1]), True)
+        >>> torch.equal(channels_last_as_rows(v), x)
+        True
+    """
+    n, c = x.shape
+    return x.view(1, n, c).permute(0, 2, 1).unsqueeze(-1)
+
+
+def channels_last_as_rows(v: Tensor) -> Tensor:
+    """The inverse view of :func:`rows_as_channels_last`: ``(1, C, N, 1)`` to ``(N, C)``."""
+    return v.squeeze(-1).squeeze(0).t()
 
 
 def wide(x: Tensor, *params: Tensor | None) -> bool:
