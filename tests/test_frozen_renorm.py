@@ -394,3 +394,25 @@ def test_renorm_cumulative_running_statistics(path, monkeypatch):
                                atol=1e-6 * offset)
     torch.testing.assert_close(brn.running_var.double(), variances.mean(0), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_renorm_2d_rows_past_torchs_count_take_the_engine_through_a_view(monkeypatch):
+    """BatchRenorm1d on 2D input with more rows than torch's kernel sums accurately: the
+    engine on the rows' channels-last view (not the compensated core), equal to the
+    paper's formula in float64, output 2D and contiguous."""
+    from normkit.kernels import channels, native
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0)  # (a small input stands in)
+    served = []
+    by = channels.normalize_by
+    monkeypatch.setattr(channels, "normalize_by",
+                        lambda *a: served.append(a[0].shape) or by(*a))
+    gen = torch.Generator().manual_seed(17)
+    brn = _renorm_for_paths(gen, r_max=1.5, d_max=0.5, warmup_steps=0, r_max_steps=0,
+                            d_max_steps=0)
+    brn.__class__ = normkit.BatchRenorm1d  # (the same state; 2D input)
+    n = native.CHANNELS_LAST_MAX_COUNT + 100
+    x = torch.randn(n, 4, generator=gen) * 2 + 1
+    _check_renorm(brn, x, 1.5, 0.5)
+    assert served == [torch.Size([1, 4, n, 1])]
+    assert brn(x.detach()).is_contiguous()
