@@ -397,6 +397,25 @@ def test_2d_batch_norm_past_torchs_count_takes_the_engine_through_a_view(affine)
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+def test_kernel_backward_takes_the_inputs_strides_in_size_one_dims():
+    """A gradient dense in the input's memory format but with other strides in a size-1
+    dim (an activation's output against a ``(1, C, N, 1)`` view) is restrided as a view,
+    not copied, and the backward equals the one from matching strides."""
+    x = channels.rows_as_channels_last(torch.randn(40, 3))
+    g = torch.randn(1, 3, 40, 1).contiguous(memory_format=torch.channels_last)
+    assert g.stride() != x.stride()
+    same = channels._strided_like(g, x)
+    assert same.stride() == x.stride() and same.data_ptr() == g.data_ptr()
+    torch.testing.assert_close(same, g)
+    mean, _, rstd = channels.moments(x, channels.Pool("batch"), 1e-5)
+    w = torch.rand(3) + 0.5
+    got = channels.backward(g, x, mean, rstd, w, channels.Pool("batch"), (True, True, True))
+    want = channels.backward(g.clone().as_strided(x.shape, x.stride()), x, mean, rstd, w,
+                             channels.Pool("batch"), (True, True, True))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_engine_supports_only_what_it_serves():
     x = torch.randn(2, 3, 8, 8)
     assert channels.supports(x)

@@ -422,6 +422,38 @@ def test_training_without_a_gradient_runs_the_norm_then_the_activation(memory, a
         assert calls and out.data_ptr() == inner.data_ptr()
 
 
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_2d_rows_past_torchs_count_take_the_engine_through_a_view(act, monkeypatch):
+    """BatchNormAct1d (memory="standard") on 2D input with more rows than torch's kernel
+    sums accurately: the fused node on the rows' channels-last view (the engine's row-sums
+    path; its backward kernel gets the activation's gradient, whose size-1 stride differs
+    from the view's), equal to float64 BatchNorm then the activation, output 2D and
+    contiguous, running statistics updated."""
+    from normkit.kernels import channels, native
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0)  # (a small input stands in)
+    seen = []
+    moments = channels.moments
+    monkeypatch.setattr(channels, "moments", lambda x, *a: seen.append(x.shape) or
+                        moments(x, *a))
+    n = native.CHANNELS_LAST_MAX_COUNT + 64
+    x0 = make_input((n, 6), torch.float32, "contiguous", seed=12, scale=2.0, offset=1.0)
+    weight, bias = torch.rand(6) + 0.5, torch.randn(6)
+    w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    x = x0.clone().requires_grad_()
+    rm, rv = torch.zeros(6), torch.ones(6)
+    z = batch_norm_act(x, rm, rv, w, b, True, act=act)
+    assert seen == [torch.Size([1, 6, n, 1])] and z.shape == (n, 6) and z.is_contiguous()
+    assert "BatchNormAct" in type(z._base.grad_fn).__name__  # the fused node, on the view
+    x64, w64, b64 = leaf64(x0), leaf64(weight), leaf64(bias)
+    ref = bn_act64(x64, w64, b64, act)
+    assert_close(z, ref, torch.float32)
+    dz = torch.randn(ref.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    check_grads(grads_of(z, [x, w, b], dz.float()), grads_of(ref, [x64, w64, b64], dz),
+                torch.float32, ["dx", "dw", "db"])
+    torch.testing.assert_close(rm.double(), 0.1 * x0.double().mean(0), rtol=1e-5, atol=1e-6)
+
+
 def saved_bytes(fn) -> int:
     """Bytes of the distinct storages autograd saves while ``fn`` runs (deterministic)."""
     storages = {}

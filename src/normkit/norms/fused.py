@@ -1093,6 +1093,15 @@ def batch_norm_act(
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                          eps, unbiased_running_var=unbiased_running_var, backend=backend)
         return _activate(activation, y, reference)
+    if (memory == "standard" and backend == "auto" and input.dim() == 2
+            and not F._off_cpu(input) and channels.serves_batch_norm(input)):
+        # 2D rows past torch's accurate count: the node on their channels-last view, the
+        # slice-sums engine's path, as F.batch_norm takes it (In-Place ABN keeps the rows,
+        # so that its output may still overwrite them)
+        z = _BatchNormActFunction.apply(channels.rows_as_channels_last(input), weight, bias,
+                                        running_mean, running_var, momentum, eps, activation,
+                                        False, unbiased_running_var, True)
+        return channels.channels_last_as_rows(z)
     return _BatchNormActFunction.apply(input, weight, bias, running_mean, running_var,
                                        momentum, eps, activation, memory == "inplace",
                                        unbiased_running_var, backend == "auto")
