@@ -611,8 +611,9 @@ def _strided_like(g: Tensor, x: Tensor) -> Tensor:
 
     Strides of size-1 dims address nothing, yet torch's BatchNorm backward kernel treats
     a gradient whose strides differ from the input's there as another layout and takes
-    its slow generic path (7x slower on a ``(1, C, N, 1)`` view, whose last stride is 1
-    where the activation's output has ``C``).
+    its slow generic path (several times slower on a ``(1, C, N, 1)`` view, whose last
+    stride is 1 where an activation's output has ``C``; ``benchmarks/batch_norm_rows.py
+    --act`` times BatchNormAct1d, which meets it).
     """
     if g.stride() == x.stride():
         return g
