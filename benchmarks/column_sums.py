@@ -230,6 +230,17 @@ def folds(threads: list[int], repeats: int) -> None:
                       f"{times[name]:.2f} | {err:.1e} |")
 
 
+def _channels_last_inputs(shape: tuple[int, ...], offset: float = 0.0
+                          ) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
+    """``(generator, x, dy)``: seeded channels-last ``randn + offset`` and ``randn`` of
+    ``shape`` (the generator goes on, for more draws)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).add_(offset).contiguous(
+        memory_format=torch.channels_last)
+    dy = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+    return gen, x, dy
+
+
 def _backward_sums_as(way: bool, dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor):
     """BatchNorm's channels-last backward sums with the whole-matrix fold forced on
     (``way=True``) or off (one call per sample), whatever the sample size."""
@@ -254,10 +265,7 @@ def backward_folds(threads: list[int], repeats: int) -> None:
     for threads_now in threads:
         torch.set_num_threads(threads_now)
         for shape in FOLD_SHAPES:
-            gen = torch.Generator().manual_seed(0)
-            x = torch.randn(shape, generator=gen).add_(1.5).contiguous(
-                memory_format=torch.channels_last)
-            dy = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+            _, x, dy = _channels_last_inputs(shape, 1.5)
             c = shape[1]
             mean = x.double().mean((0, 2, 3)).float().view(1, c)
             want = (dy.double().sum((0, 2, 3)),
@@ -287,9 +295,7 @@ def backward_ways(threads: list[int], repeats: int) -> None:
     for threads_now in threads:
         torch.set_num_threads(threads_now)
         for shape in FOLD_SHAPES:
-            gen = torch.Generator().manual_seed(0)
-            x = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
-            dy = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+            gen, x, dy = _channels_last_inputs(shape)
             c = shape[1]
             weight = torch.rand(c, generator=gen) + 0.5
             mean, _, rstd = channels.moments(x, channels.Pool("batch"), 1e-5)

@@ -163,7 +163,14 @@ def rows_as_channels_last(x: Tensor) -> Tensor:
 
 
 def channels_last_as_rows(v: Tensor) -> Tensor:
-    """The inverse view of :func:`rows_as_channels_last`: ``(1, C, N, 1)`` to ``(N, C)``."""
+    """The inverse view of :func:`rows_as_channels_last`: ``(1, C, N, 1)`` to ``(N, C)``.
+
+    Example:
+        >>> v = torch.randn(1, 3, 5, 1).contiguous(memory_format=torch.channels_last)
+        >>> rows = channels_last_as_rows(v)
+        >>> rows.shape, rows.is_contiguous(), rows.data_ptr() == v.data_ptr()
+        (torch.Size([5, 3]), True, True)
+    """
     return v.squeeze(-1).squeeze(0).t()
 
 
