@@ -25,6 +25,8 @@ BAD = {
                          ["floating-point", "torch.int64"]),
     "bn-eps-zero-training": (lambda: normkit.BatchNorm2d(3, eps=0.0)(torch.randn(2, 3, 2, 2)),
                              ["eps must be positive", "0.0"]),
+    "bn-eps-negative-eval": (lambda: normkit.BatchNorm2d(3, eps=-1e-5).eval()(
+        torch.randn(2, 3, 2, 2)), ["eps must be non-negative", "-1e-05"]),
     "bn-eval-without-stats": (lambda: F.batch_norm(torch.randn(2, 3), None, None),
                               ["running_mean", "None"]),
     "bn-weight-size": (lambda: F.batch_norm(torch.randn(2, 3), None, None, torch.ones(4),

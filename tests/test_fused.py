@@ -257,6 +257,30 @@ def test_batch_norm_act_running_statistics(unbiased, layout):
     torch.testing.assert_close(rv, 0.8 + 0.2 * var)
 
 
+@pytest.mark.parametrize("offset", [8.0, 1e4], ids=["ratio-8", "offset-1e4"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("memory", ["standard", "inplace"])
+def test_batch_norm_act_rejected_kernel_updates_running_statistics_once(offset, layout,
+                                                                         memory):
+    """With a gradient, small input runs torch's kernel with the running buffers (its
+    fused BatchNorm, or its statistics kernel where the output overwrites the input),
+    which updates them; when its statistics fail the accuracy bound the buffers are
+    restored and the robust path updates them once, from accurate statistics."""
+    x0 = make_input((6, 3, 4, 5), torch.float32, layout, seed=8, offset=offset)
+    rm, rv = torch.full((3,), 0.5), torch.full((3,), 2.0)
+    leaf = x0.clone().requires_grad_()
+    z = batch_norm_act(leaf * 1, rm, rv, training=True, momentum=0.2, act="leaky_relu",
+                       memory=memory)
+    x64 = x0.double()
+    dims = (0, 2, 3)
+    torch.testing.assert_close(rm.double(), 0.8 * 0.5 + 0.2 * x64.mean(dims),
+                               rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(rv.double(), 0.8 * 2.0 + 0.2 * x64.var(dims, correction=1),
+                               rtol=1e-5, atol=0.0)
+    ref = bn_act64(x64, None, None, "leaky_relu")
+    assert float((z.double() - ref).abs().max().detach()) < 1e-5
+
+
 @pytest.mark.parametrize("cls, shape", [(BatchNormAct1d, (7, 4)), (BatchNormAct1d, (5, 4, 6)),
                                         (BatchNormAct3d, (3, 4, 2, 3, 5))],
                          ids=["1d-2D", "1d-3D", "3d"])
