@@ -292,6 +292,54 @@ def test_renorm_warm_up_is_batchnorm_and_matches_the_paper_formula(layout, monke
     assert calls and int(brn.num_batches_tracked) == 1
 
 
+@pytest.mark.parametrize("path", ["engine", "torch-kernel", "compensated"])
+def test_renorm_without_affine_matches_the_paper_formula(path, monkeypatch):
+    """``affine=False``: the corrected affine is ``r`` and ``d`` alone, on every path."""
+    from oracle import assert_close, assert_grad_close
+
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    gen = torch.Generator().manual_seed(6)
+    offset = 1e4 if path == "compensated" else 1.0
+    brn = normkit.BatchRenorm2d(4, affine=False, momentum=0.3, r_max=1.5, d_max=0.5,
+                                warmup_steps=0, r_max_steps=0, d_max_steps=0)
+    with torch.no_grad():
+        brn.running_mean.copy_(torch.randn(4, generator=gen) + offset)
+        brn.running_var.copy_(torch.rand(4, generator=gen) * 4 + 0.5)
+    rm, rv = brn.running_mean.double(), brn.running_var.double()
+    x = (torch.randn(6, 4, 5, 7, generator=gen) * 2 + offset).requires_grad_()
+    y = brn(x)
+    x64 = x.detach().double().requires_grad_()
+    view, dims = (1, 4, 1, 1), (0, 2, 3)
+    mean, var = x64.mean(dims, keepdim=True), x64.var(dims, correction=0, keepdim=True)
+    sigma_b, sigma = torch.sqrt(var + brn.eps), torch.sqrt(rv.view(view) + brn.eps)
+    r = (sigma_b / sigma).clamp(1 / 1.5, 1.5).detach()
+    d = ((mean - rm.view(view)) / sigma).clamp(-0.5, 0.5).detach()
+    ref = (x64 - mean) / sigma_b * r + d
+    assert_close(y, ref, torch.float32)
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy), ref.backward(dy.double())
+    assert_grad_close(x.grad, x64.grad, torch.float32)
+    torch.testing.assert_close(brn.running_mean.double(), 0.7 * rm + 0.3 * mean.view(4),
+                               rtol=1e-6, atol=1e-6)
+    assert (r != 1).any() and (d.abs() > 0).any()
+
+
+def test_renorm_empty_batch_and_one_value_per_channel_answer_as_batchnorm():
+    """Past the warm-up, an empty batch normalizes to an empty output and leaves the
+    running statistics as they were; one value per channel raises BatchNorm's error."""
+    brn = normkit.BatchRenorm2d(3, warmup_steps=0, r_max_steps=0, d_max_steps=0,
+                                r_max=2.0, d_max=1.0)
+    before = brn.running_mean.clone(), brn.running_var.clone()
+    y = brn(torch.randn(0, 3, 4, 4, requires_grad=True))
+    assert y.shape == (0, 3, 4, 4)
+    y.sum().backward()
+    assert torch.equal(brn.running_mean, before[0]) and torch.equal(brn.running_var, before[1])
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        brn(torch.randn(1, 3, 1, 1))
+
+
 def test_renorm_bad_arguments():
     with pytest.raises(ValueError, match="r_max"):
         normkit.BatchRenorm2d(3, r_max=0.5)
