@@ -376,6 +376,26 @@ def test_init_handles_bias_free_layers_shared_layers_and_batch_conventions():
     _assert_standardized(shared.lin(a * 2), -1)
 
 
+def test_init_only_centers_units_with_a_constant_output():
+    """A unit whose output does not vary over the batch (std 0: here a zero row of
+    ``v``'s input weights is impossible, so the input feature it reads is constant)
+    keeps its gain, is centered, and is named in a warning; the others are standardized."""
+    lin = weight_norm(nn.Linear(3, 4)).double()
+    with torch.no_grad():
+        lin.parametrizations.weight.original1[1].copy_(torch.tensor([0.0, 0.0, 2.0]))
+    x = torch.randn(64, 3, generator=_gen(), dtype=torch.float64)
+    x[:, 2] = 0.5  # unit 1 reads only this constant feature
+    g_before = lin.parametrizations.weight.original0.detach().clone()
+    with pytest.warns(UserWarning, match=r"constant output .*only centered: <model> \(1 of 4\)"):
+        stats = data_dependent_init_(lin, x)
+    assert float(next(iter(stats.values()))["std"][1]) == 0.0
+    t = lin(x)
+    assert torch.equal(lin.parametrizations.weight.original0.detach()[1], g_before[1])
+    assert float(t[:, 1].detach().abs().max()) < 1e-12  # centered: constant minus its mean
+    keep = [0, 2, 3]
+    _assert_standardized(t[:, keep], -1)
+
+
 def test_redraw_v_is_reproducible_with_a_generator():
     x = torch.randn(64, 6, generator=_gen(), dtype=torch.float64)
     base = _mlp()
@@ -419,6 +439,20 @@ def test_init_errors_and_skips():
 
         def forward(self, x):
             return self.out(self.rnn(x)[0])
+
+    with pytest.raises(TypeError, match="expected a torch.nn.Module, got Tensor"):
+        data_dependent_init_(x, x)
+    with pytest.raises(ValueError, match=r"at least one weight-normalized layer, got none "
+                                         r"called \(layers: lin\)"):
+        data_dependent_init_(nn.ModuleDict({"lin": weight_norm(nn.Linear(3, 3))}), x,
+                             forward=lambda model, batch: batch)
+
+    class PairLinear(nn.Linear):  # (a Linear whose forward returns a pair)
+        def forward(self, x):
+            return super().forward(x), x
+
+    with pytest.raises(TypeError, match="expected '<model>' to return a tensor, got tuple"):
+        data_dependent_init_(weight_norm(PairLinear(3, 3)), x)
 
     mixed = Mixed()
     seq = torch.randn(16, 5, 3, generator=_gen())

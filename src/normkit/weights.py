@@ -405,6 +405,11 @@ class _Layer:
     v: Tensor
     out_channels: int
 
+    @property
+    def label(self) -> str:
+        """The name in messages (``<model>`` for the model itself, whose name is ``""``)."""
+        return self.name or "<model>"
+
 
 def _find_weight_normed(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     found = []
@@ -572,7 +577,7 @@ def data_dependent_init_(
             if layer.name in stats:  # called again in the same forward: already done
                 return None
             if not isinstance(output, Tensor):
-                raise TypeError(f"{who} expected {layer.name!r} to return a tensor, got "
+                raise TypeError(f"{who} expected {layer.label!r} to return a tensor, got "
                                 f"{type(output).__name__}")
             axis = output.dim() - 1 if isinstance(module, nn.Linear) else (
                 1 if output.dim() == layer.v.dim() else 0)  # conv: (N, C, *) or (C, *)
@@ -587,9 +592,9 @@ def data_dependent_init_(
             if bias is not None:
                 bias.copy_((_stats.upcast(bias) - mean) * scale)
             if bias is None:
-                no_bias.append(layer.name)
+                no_bias.append(layer.label)
             if not bool(live.all()):
-                constant.append(f"{layer.name} ({int((~live).sum())} of {live.numel()})")
+                constant.append(f"{layer.label} ({int((~live).sum())} of {live.numel()})")
             stats[layer.name] = {"mean": mean.clone(), "std": std.clone()}
             return module.forward(*args, **kwargs)  # exact: the new parameters, same input
         return hook
@@ -615,9 +620,9 @@ def data_dependent_init_(
     if not stats:
         raise ValueError(
             f"{who} expected the forward to call at least one weight-normalized layer, got "
-            f"none called (layers: {', '.join(layer.name for layer in layers)})"
+            f"none called (layers: {', '.join(layer.label for layer in layers)})"
         )
-    missed = [layer.name for layer in layers if layer.name not in stats]
+    missed = [layer.label for layer in layers if layer.name not in stats]
     if missed:
         warnings.warn(f"{who}: these weight-normalized layers were not called by the "
                       f"forward and were left as they were: {', '.join(missed)}", stacklevel=2)
