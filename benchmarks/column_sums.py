@@ -23,7 +23,10 @@ the errors behind ``FOLD_ROWS``, or ``--folds`` for the kernel's time and BatchN
 error at every fold (the table behind ``FOLD_ROWS_BATCH``), then the backward sums per
 sample against one call over the whole folded matrix, then (also alone, ``--backward``)
 the engine's whole channels-last BatchNorm backward against torch's backward kernel
-(the table behind ``CHANNELS_LAST_BACKWARD_MAX_COUNT``).
+(the table behind ``CHANNELS_LAST_BACKWARD_MAX_COUNT``). ``--stats-kernel`` times the
+engine's BatchNorm statistics against torch's statistics kernel and its fused kernel on
+channels-last input with few values per channel (the table behind
+``native.batch_norm_moments``).
 """
 
 from __future__ import annotations
@@ -323,6 +326,54 @@ def backward_ways(threads: list[int], repeats: int) -> None:
                   flush=True)
 
 
+#: Channels-last shapes with at most CHANNELS_LAST_MAX_COUNT values per channel, where
+#: torch's BatchNorm sums are accurate under the ratio bound (``--stats-kernel``).
+FEW_VALUES_SHAPES = [(32, 256, 14, 14), (8, 64, 32, 32), (128, 512, 7, 7), (64, 128, 8, 8)]
+
+
+def stats_kernel(threads: list[int], repeats: int) -> None:
+    """Print, per channels-last shape with few values per channel, the time of three ways
+    to training-mode BatchNorm statistics -- the engine's accurate sums
+    (``channels.moments``), torch's statistics kernel (``torch.batch_norm_update_stats``,
+    what ``native.batch_norm_moments`` runs) and torch's fused kernel (statistics and a
+    normalized output) -- and the error of each one's mean and ``invstd`` against float64
+    (relative to ``1 / std``, at ``|mean| / std`` = 1.5, inside the bound of 2)."""
+    print("\nChannels-last BatchNorm statistics, few values per channel: ms per call, and "
+          "max error of mean * invstd64 and of invstd / invstd64 vs float64 (offset 1.5)\n")
+    print("| threads | shape | values per channel | engine ms | stats kernel ms | "
+          "fused kernel ms | engine / stats kernel | engine error | stats kernel error | "
+          "fused kernel error |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    eps = 1e-5
+    for threads_now in threads:
+        torch.set_num_threads(threads_now)
+        for shape in FEW_VALUES_SHAPES:
+            _, x, _ = _channels_last_inputs(shape, 1.5)
+            c = shape[1]
+            assert x.numel() // c <= channels.CHANNELS_LAST_MAX_COUNT
+            ways = [
+                lambda x=x: channels.moments(x, channels.Pool("batch"), eps),
+                lambda x=x: torch.batch_norm_update_stats(x, None, None, 0.0),
+                lambda x=x: torch.native_batch_norm(x, None, None, None, None, True, 0.0, eps),
+            ]
+            x64 = x.double()
+            mean64 = x64.mean((0, 2, 3))
+            invstd64 = (x64.var((0, 2, 3), correction=0) + eps).rsqrt()
+            engine = channels.moments(x, channels.Pool("batch"), eps)
+            stats = torch.batch_norm_update_stats(x, None, None, 0.0)
+            fused = torch.native_batch_norm(x, None, None, None, None, True, 0.0, eps)[1:]
+            pairs = [(engine[0].view(c), engine[2].view(c)),
+                     (stats[0], (stats[1] + eps).rsqrt()), tuple(fused)]
+            errors = [max(float(((m.double() - mean64).abs() * invstd64).max()),
+                          float(((r.double() - invstd64).abs() / invstd64).max()))
+                      for m, r in pairs]
+            times = _round_robin_ms(ways, repeats)
+            print(f"| {threads_now} | {'x'.join(map(str, shape))} | {x.numel() // c} | "
+                  + " | ".join(f"{t:.3f}" for t in times)
+                  + f" | {times[0] / times[1]:.2f}x | "
+                  + " | ".join(f"{e:.1e}" for e in errors) + " |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -337,7 +388,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backward", action="store_true",
                         help="time the engine's channels-last BatchNorm backward against "
                              "torch's backward kernel instead")
+    parser.add_argument("--stats-kernel", action="store_true",
+                        help="time the engine's BatchNorm statistics against torch's "
+                             "statistics kernel on channels-last input with few values per "
+                             "channel instead")
     args = parser.parse_args(argv)
+    if args.stats_kernel:
+        stats_kernel(args.threads, args.repeats)
+        return
     if args.accuracy:
         accuracy()
         return

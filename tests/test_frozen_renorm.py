@@ -223,16 +223,17 @@ def _renorm_for_paths(gen, offset=1.0, backend="auto", **limits):
 @pytest.mark.parametrize("path", ["engine", "engine-channels-last",
                                   "engine-channels-last-few", "torch-kernel",
                                   "channels-last", "compensated", "engine-ill-conditioned",
-                                  "reference"])
+                                  "channels-last-few-ill-conditioned", "reference"])
 def test_renorm_float32_paths_match_the_paper_formula(path, monkeypatch):
     """Past the warm-up, Batch Renormalization takes its batch statistics first (the
-    slice-sums engine, or torch's kernel where accurate), then normalizes once with the
-    corrected affine (``weight * r``, ``weight * d + bias``); ill-conditioned data and
-    the reference backend take normkit's compensated core. Each path's output,
+    slice-sums engine's sums; on channels-last input with few values per channel
+    torch's statistics kernel; on small input torch's fused kernel), then normalizes once
+    with the corrected affine (``weight * r``, ``weight * d + bias``); ill-conditioned
+    data and the reference backend take normkit's compensated core. Each path's output,
     gradients and running statistics equal the paper's formula in float64."""
     from normkit.kernels import channels, native
 
-    engine = path.startswith("engine")
+    engine = path.startswith("engine") or path == "channels-last-few-ill-conditioned"
     monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if engine else 1 << 30)
     if path == "engine-channels-last":  # channels-last past torch's accurate counts (the
         # engine's own backward sums; "-few": below them, torch's backward kernel)
@@ -240,26 +241,34 @@ def test_renorm_float32_paths_match_the_paper_formula(path, monkeypatch):
         monkeypatch.setattr(channels, "CHANNELS_LAST_BACKWARD_MAX_COUNT", 16)
     if path == "engine-channels-last-few":
         monkeypatch.setattr(channels, "_backward_sums", lambda *a: pytest.fail("slice sums"))
-    served = {"engine": [], "torch-kernel": []}
-    by, stats = channels.normalize_by, native.batch_norm_stats
-    monkeypatch.setattr(channels, "normalize_by",
-                        lambda *a: served["engine"].append(by(*a)) or served["engine"][-1])
-    monkeypatch.setattr(native, "batch_norm_stats",
-                        lambda *a: served["torch-kernel"].append(stats(*a))
-                        or served["torch-kernel"][-1])
+    served = {"engine": [], "torch-kernel": [], "engine-sums": [], "stats-kernel": []}
+
+    def spy(module, name, key):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a: served[key].append(real(*a)) or served[key][-1])
+
+    spy(channels, "normalize_by", "engine")
+    spy(native, "batch_norm_stats", "torch-kernel")
+    spy(channels, "moments", "engine-sums")
+    spy(native, "batch_norm_moments", "stats-kernel")
     gen = torch.Generator().manual_seed(4)
-    offset = 1e4 if path in ("compensated", "engine-ill-conditioned") else 1.0
+    offset = 1e4 if path.endswith("ill-conditioned") or path == "compensated" else 1.0
     brn = _renorm_for_paths(gen, offset, "reference" if path == "reference" else "auto",
                             r_max=1.5, d_max=0.5, warmup_steps=0, r_max_steps=0,
                             d_max_steps=0)
     x = torch.randn(6, 4, 5, 7, generator=gen) * 2 + offset
-    if path in ("channels-last", "engine-channels-last", "engine-channels-last-few"):
+    if "channels-last" in path:
         x = x.contiguous(memory_format=torch.channels_last)
     _check_renorm(brn, x, 1.5, 0.5)
     want_engine = path in ("engine", "engine-channels-last", "engine-channels-last-few")
     want_kernel = path in ("torch-kernel", "channels-last")
     assert bool(served["engine"]) == want_engine, served
     assert any(s is not None for s in served["torch-kernel"]) == want_kernel, served
+    few = path in ("engine-channels-last-few", "channels-last-few-ill-conditioned")
+    assert bool(served["stats-kernel"]) == few, served  # (and its sums, not the engine's)
+    assert bool(served["engine-sums"]) == (path in ("engine", "engine-channels-last",
+                                                    "engine-ill-conditioned")), served
 
 
 def test_renorm_16bit_input_takes_torch_kernel_with_float32_statistics():

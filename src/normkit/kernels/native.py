@@ -51,7 +51,7 @@ from .memory import empty_like, out_like
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
-           "batch_norm_stats", "batch_norm_eval", "kernel_dtypes",
+           "batch_norm_stats", "batch_norm_moments", "batch_norm_eval", "kernel_dtypes",
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
            "instance_norm", "layer_norm2d_nchw", "reference_grads"]
 
@@ -226,6 +226,36 @@ def batch_norm_stats(x: Tensor, eps: float, *params: Tensor | None
     if not well_conditioned(mean, invstd, threshold):
         return None
     return mean, invstd
+
+
+def batch_norm_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(mean, var, invstd)`` per channel (``var`` biased, ``invstd = 1 / sqrt(var +
+    eps)``, detached) of training-mode BatchNorm by torch's statistics kernel alone
+    (``torch.batch_norm_update_stats``: one read of ``x``, no output written), when
+    accurate by the bound of :func:`batch_norm_train`, else ``None``. float32/float64.
+
+    Its sums are those of torch's fused kernel (the same mean, ``invstd`` within an ulp,
+    the same error: ``benchmarks/column_sums.py --stats-kernel``), so the same accuracy
+    rule holds; on channels-last input with at most :data:`CHANNELS_LAST_MAX_COUNT` values
+    per channel it is ~3x faster than the fused kernel and than the slice-sums engine's
+    accurate sums (same command). For callers that normalize with statistics of their
+    own making (Batch Renormalization's corrected affine, through
+    :func:`normkit.kernels.channels.normalize_by`).
+
+    Example:
+        >>> mean, var, invstd = batch_norm_moments(torch.randn(8, 3, 4, 4) * 2 + 1, 1e-5)
+        >>> mean.shape, bool((var > 2).all()), torch.allclose(invstd, (var + 1e-5).rsqrt())
+        (torch.Size([3]), True, True)
+        >>> batch_norm_moments(torch.randn(8, 3) + 1e5, 1e-5) is None
+        True
+    """
+    threshold = _bn_threshold(x, training=True)
+    if threshold is None or x.dtype not in (torch.float32, torch.float64):
+        return None
+    # (detached: the statistics kernel has no derivative; callers hold them constant)
+    mean, var = torch.batch_norm_update_stats(x.detach(), None, None, 0.0)
+    invstd = torch.add(var, eps).rsqrt_()
+    return (mean, var, invstd) if well_conditioned(mean, invstd, threshold) else None
 
 
 def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,

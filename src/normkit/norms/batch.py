@@ -463,21 +463,24 @@ class _BatchRenormForward(_BatchNormForward):
         if self.backend != "auto" or F._off_cpu(x) or compiling():
             return None
         weight, bias = self.weight, self.bias
-        # (the engine also on channels-last input with few values per channel, where
-        # BatchNorm keeps torch's kernel: its statistics cost as much as the kernel's
-        # whole forward, and the engine's one affine pass is cheaper than a second run;
+        # (the engine's one affine pass also on channels-last input with few values per
+        # channel, where BatchNorm keeps torch's kernel: cheaper than a second run of it;
         # and on 2D rows past torch's accurate count, through their channels-last view)
         rows = x.dim() == 2 and channels.serves_batch_norm(x)
         engine_input = channels.rows_as_channels_last(x) if rows else x
         if channels.supports(engine_input, weight, bias):
             pool = channels.Pool("batch")
-            stats = channels.moments(engine_input.detach(), pool, self.eps)
+            if channels.serves_batch_norm(engine_input):
+                stats = channels.moments(engine_input.detach(), pool, self.eps)
+            else:  # channels-last, few values per channel: torch's statistics kernel
+                stats = native.batch_norm_moments(x, self.eps)
             if stats is None:
                 return None
             mean, var, rstd = (s.view(-1) for s in stats)
             scale, shift = self._corrected_affine(mean, rstd, None, r_max, d_max)
             self._update_running(mean, var, count, factor)
-            y = channels.normalize_by(engine_input, scale, shift, stats[0], stats[2], pool,
+            y = channels.normalize_by(engine_input, scale, shift, mean.view(1, -1),
+                                      rstd.view(1, -1), pool,
                                       F._reference((0, *range(2, engine_input.dim())),
                                                    F._channel_view(engine_input), self.eps))
             return channels.channels_last_as_rows(y) if rows else y
