@@ -237,7 +237,7 @@ def batch_norm_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] |
     Its sums are those of torch's fused kernel (the same mean, ``invstd`` within an ulp,
     the same error: ``benchmarks/column_sums.py --stats-kernel``), so the same accuracy
     rule holds; on channels-last input with at most :data:`CHANNELS_LAST_MAX_COUNT` values
-    per channel it is ~3x faster than the fused kernel and than the slice-sums engine's
+    per channel it is 2.3-3.4x faster than the fused kernel and than the slice-sums engine's
     accurate sums (same command). For callers that normalize with statistics of their
     own making (Batch Renormalization's corrected affine, through
     :func:`normkit.kernels.channels.normalize_by`).
