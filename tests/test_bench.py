@@ -203,8 +203,8 @@ def test_markdown_extra_columns_for_threads_and_compile(doc):
 def test_op_names_are_unique_and_complete():
     assert len(set(op_names())) == len(OPS)
     assert set(CORE) == {"layer_norm", "rms_norm", "batch_norm", "batch_norm_eval",
-                         "frozen_batch_norm", "batch_renorm", "group_norm", "instance_norm",
-                         "instance_norm_eval", "layer_norm2d"}
+                         "frozen_batch_norm", "batch_norm_biased_var", "batch_renorm",
+                         "group_norm", "instance_norm", "instance_norm_eval", "layer_norm2d"}
     assert {"add_layer_norm", "add_rms_norm", "batch_norm_act"} <= set(FUSED)
 
 

@@ -134,6 +134,48 @@ def test_auto_uses_torchs_kernel_only_where_it_is_accurate(make, shape, layout, 
     assert "NormalizeFunction" in offset, offset
 
 
+@pytest.mark.parametrize("shape,layout", [((8, 4, 3, 3), "contiguous"),
+                                          ((8, 4, 5, 5), "channels_last"), ((16, 4), "rows")])
+@pytest.mark.parametrize("offset", [0.5, 1e3], ids=["kernel", "compensated"])
+def test_biased_running_variance_takes_torchs_kernel_where_accurate(shape, layout, offset):
+    """``unbiased_running_var=False`` (Keras/Flax): where BatchNorm keeps torch's kernel,
+    the kernel runs without the buffers (it would store the unbiased variance) and the
+    buffers get the biased variance from its statistics; ill-conditioned data take the
+    compensated core. Output, gradients and buffers equal float64 either way."""
+    from oracle import assert_close, assert_grad_close
+
+    c = shape[1]
+    bn = (normkit.BatchNorm2d if len(shape) == 4 else normkit.BatchNorm1d)(
+        c, momentum=0.3, eps=1e-3, unbiased_running_var=False)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.rand(c, generator=gen) + 0.5)
+        bn.bias.copy_(torch.randn(c, generator=gen))
+        bn.running_var.fill_(2.0)
+    x64 = torch.randn(shape, generator=gen, dtype=torch.float64) * 1.5 + offset
+    x = x64.float()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    y = bn(x)
+    path = _path(y)
+    assert ("NativeBatchNorm" if offset < 1 else "NormalizeFunction") in path, path
+    dims = (0, *range(2, x64.dim()))
+    view = (1, c) + (1,) * (x64.dim() - 2)
+    ref_x = x.detach().double().requires_grad_()
+    mean, var = ref_x.mean(dims), ref_x.var(dims, correction=0)
+    ref = ((ref_x - mean.view(view)) / (var.view(view) + 1e-3).sqrt()
+           * bn.weight.detach().double().view(view) + bn.bias.detach().double().view(view))
+    assert_close(y, ref, torch.float32)
+    dy = torch.randn(shape, generator=gen)
+    y.backward(dy), ref.backward(dy.double())
+    assert_grad_close(x.grad, ref_x.grad, torch.float32)
+    torch.testing.assert_close(bn.running_mean.double(), 0.3 * mean.detach(),
+                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(bn.running_var.double(), 0.7 * 2.0 + 0.3 * var.detach(),
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_rejected_fast_path_does_not_double_count_running_stats():
     nk, tm = normkit.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
     x = torch.randn(16, 3, dtype=torch.float64).float() * 0.01 + 5.0  # ratio ~500: rejected

@@ -279,14 +279,17 @@ def batch_norm(
             else:
                 fast = channels.normalize(input, weight, bias, channels.Pool("batch"), eps,
                                           _reference(dims, view, eps))
-        if fast is not None:
-            y, mean, var = fast
-        else:
-            if backend == "auto" and unbiased_running_var and not compiling():
+        if fast is None and backend == "auto" and not compiling():
+            if unbiased_running_var:  # (torch's kernel updates the buffers itself)
                 y = native.batch_norm_train(input, running_mean, running_var, weight, bias,
                                             momentum, eps)
                 if y is not None:
                     return y
+            else:  # the biased running variance: the buffers from the kernel's statistics
+                fast = native.batch_norm_train_stats(input, weight, bias, eps)
+        if fast is not None:
+            y, mean, var = fast
+        else:
             y, mean, var = normalize(input, dims, affine_view(weight, view),
                                      affine_view(bias, view), eps, backend=backend)
     if running_mean is not None:

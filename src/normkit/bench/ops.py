@@ -274,6 +274,13 @@ OPS: tuple[Op, ...] = (
        lambda d: _trained(TorchFrozenBatchNorm(_channels(d))),
        "F.batch_norm(training=False) on buffers (detectron2's FrozenBatchNorm2d)",
        lambda d: 0, bwd_streams=2, training=False),
+    # the Keras/Flax convention (normkit.conventions): the same forward, the biased batch
+    # variance into running_var, which torch's kernel cannot store
+    Op("batch_norm_biased_var", IMAGE, "BatchNorm2d",
+       lambda cls, d: cls(_channels(d), unbiased_running_var=False),
+       lambda d: nn.BatchNorm2d(_channels(d)),
+       "torch.nn.BatchNorm2d (train): it stores the unbiased variance; normkit's with "
+       "unbiased_running_var=False (Keras/Flax)", lambda d: 2 * _channels(d)),
     # past the warm-up (r_max = 3, d_max = 5 from the first step): the renormalizing
     # regime; during the warm-up (r_max = 1, d_max = 0) BatchRenorm is BatchNorm's path
     Op("batch_renorm", IMAGE, "BatchRenorm2d",

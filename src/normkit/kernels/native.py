@@ -51,6 +51,7 @@ from .memory import empty_like, out_like
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
+           "batch_norm_train_stats",
            "batch_norm_stats", "batch_norm_moments", "batch_norm_eval", "kernel_dtypes",
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
            "instance_norm", "layer_norm2d_nchw", "reference_grads"]
@@ -194,6 +195,36 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
             if running is not None:
                 running.copy_(before)
     return None
+
+
+def batch_norm_train_stats(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                           eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+    """torch's fused training-mode BatchNorm without running buffers, when accurate:
+    ``(y, mean, var)`` with the detached ``(C,)`` batch mean and biased variance, else
+    ``None``.
+
+    For callers that update the running statistics their own way: torch's kernel stores
+    the unbiased variance, the Keras and Flax convention the biased one
+    (``unbiased_running_var=False``). ``var`` comes from the kernel's ``invstd``
+    (``invstd^-2 - eps``), off by a few ulps of ``var + eps``, the quantity inference
+    normalizes with.
+
+    Example:
+        >>> x = torch.randn(8, 3, 4, 4) * 2 + 1
+        >>> y, mean, var = batch_norm_train_stats(x, None, None, 1e-5)
+        >>> torch.allclose(var, x.var((0, 2, 3), correction=0), rtol=1e-5)
+        True
+        >>> batch_norm_train_stats(x + 1e5, None, None, 1e-5) is None
+        True
+    """
+    threshold = _bn_threshold(x, training=True)
+    if threshold is None or x.dtype not in _FLOATS or not kernel_dtypes(x, weight, bias):
+        return None
+    y, mean, invstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
+    if not well_conditioned(mean, invstd, threshold):
+        return None
+    var = torch.pow(invstd.detach(), -2).sub_(eps).clamp_(min=0.0)
+    return y, mean.detach(), var
 
 
 def batch_norm_stats(x: Tensor, eps: float, *params: Tensor | None
