@@ -134,6 +134,63 @@ def test_auto_uses_torchs_kernel_only_where_it_is_accurate(make, shape, layout, 
     assert "NormalizeFunction" in offset, offset
 
 
+STRIDED = {  # a strided view of each layer's input, and the node of its dense fast path
+    "ln-transposed": (lambda: normkit.LayerNorm(16),
+                      lambda t: t(7, 5, 16).transpose(0, 1), "NativeLayerNorm"),
+    "ln-sliced": (lambda: normkit.LayerNorm(16), lambda t: t(9, 32)[:, :16], "NativeLayerNorm"),
+    "gn-every-other-sample": (lambda: normkit.GroupNorm(2, 4),
+                              lambda t: t(8, 4, 5, 5)[::2], "NativeGroupNorm"),
+    "in-sliced-channels": (lambda: normkit.InstanceNorm2d(4, affine=True),
+                           lambda t: t(4, 8, 5, 5)[:, :4], "NativeGroupNorm"),
+    "bn-sliced-channels": (lambda: normkit.BatchNorm2d(4), lambda t: t(6, 8, 3, 3)[:, :4],
+                           "NativeBatchNorm"),
+    # (the activation's node on top: values and gradients only)
+    "bn-act-sliced-channels": (lambda: normkit.BatchNormAct2d(4, act="elu"),
+                               lambda t: t(6, 8, 3, 3)[:, :4], None),
+    "bn-act-inplace-sliced-channels": (
+        lambda: normkit.BatchNormAct2d(4, act="leaky_relu", memory="inplace"),
+        lambda t: t(6, 8, 3, 3)[:, :4], None),
+    "gn-act-every-other-sample": (lambda: normkit.GroupNormAct(2, 4, act="silu"),
+                                  lambda t: t(8, 4, 5, 5)[::2], None),
+}
+
+
+@pytest.mark.parametrize("offset", [0.5, 1e3], ids=["fast", "compensated"])
+@pytest.mark.parametrize("name", list(STRIDED))
+def test_strided_views_take_the_dense_fast_paths(name, offset):
+    """A strided view is copied to a dense tensor first (as torch's kernels do) and takes
+    the fast path its dense copy takes; ill-conditioned data the compensated core. The
+    output and the gradient of the view itself equal the float64 reference."""
+    from oracle import assert_close, assert_grad_close, reference_forward
+
+    make, view, node = STRIDED[name]
+    gen = torch.Generator().manual_seed(5)
+    x = view(lambda *s: (torch.randn(*s, generator=gen, dtype=torch.float64) + offset)
+             .float()).requires_grad_()  # (a leaf that is a strided view)
+    assert not x.is_contiguous() and x.is_leaf
+    module = make()
+    before = x.detach().clone()
+    y = module(x)
+    if node is not None:
+        assert (node if offset < 1 else "NormalizeFunction") in _path(y), _path(y)
+    assert torch.equal(x.detach(), before)  # (the view itself is never overwritten)
+    twin = make().double()
+    twin.load_state_dict(module.state_dict())
+    ref_x = x.detach().double().requires_grad_()
+    if isinstance(module, normkit.GroupNormAct):  # (the oracle knows the plain norm)
+        twin = normkit.GroupNorm(module.num_groups, module.num_channels).double()
+        twin.load_state_dict(module.state_dict())
+    ref = reference_forward(twin, ref_x, input_dtype=torch.float32)
+    act = getattr(module, "act", None)  # the norm's reference, then the activation
+    if act is not None:
+        ref = {"elu": TF.elu, "leaky_relu": TF.leaky_relu, "silu": TF.silu}[act](ref)
+    assert_close(y, ref, torch.float32)
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy), ref.backward(dy.double())
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert_grad_close(x.grad, ref_x.grad, torch.float32)
+
+
 @pytest.mark.parametrize("shape,layout", [((8, 4, 3, 3), "contiguous"),
                                           ((8, 4, 5, 5), "channels_last"), ((16, 4), "rows")])
 @pytest.mark.parametrize("offset", [0.5, 1e3], ids=["kernel", "compensated"])

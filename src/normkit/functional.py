@@ -118,6 +118,29 @@ def _torch_kernels(backend: str, x: Tensor) -> bool:
 _channels_last_format = native.channels_last_format
 
 
+def _dense(x: Tensor) -> Tensor:
+    """``x`` when it is contiguous or channels-last, else a contiguous copy.
+
+    normkit's CPU fast paths (torch's kernels under an accuracy check, the slice-sums
+    engine) serve dense input; a strided view (a transposed sequence, a slice of the
+    features, every other sample) would take the compensated core, several passes over
+    memory. torch's kernels copy such a view first; so does ``backend="auto"`` on the
+    CPU for LayerNorm, GroupNorm, InstanceNorm, training BatchNorm and the fused
+    norm + activation layers (``benchmarks/strided_inputs.py``, forward+backward, torch
+    time / normkit time: LayerNorm 0.32-0.45x -> 1.16-1.42x, GroupNorm 0.29-0.36x ->
+    0.87-1.04x, BatchNorm2d 0.81-1.14x -> 1.79-2.11x; RESULTS.md "Strided views"). The
+    copy is differentiable: the gradient reaches the view as it is.
+
+    Example:
+        >>> x = torch.randn(4, 6)[:, ::2]
+        >>> _dense(x).is_contiguous(), torch.equal(_dense(x), x)
+        (True, True)
+    """
+    if x.is_contiguous() or _channels_last_format(x) is not None:
+        return x
+    return x.contiguous()
+
+
 def _channel_view(x: Tensor) -> tuple[int, ...]:
     """Broadcast shape of a per-channel parameter for ``(N, C, *)`` input."""
     return (1, x.shape[1]) + (1,) * (x.dim() - 2)
@@ -266,6 +289,8 @@ def batch_norm(
         y, mean, var = library.batch_norm_train(input, weight, bias, eps)
     else:
         fast = None
+        if backend == "auto" and not compiling():
+            input = _dense(input)
         if backend == "auto" and not compiling() and channels.serves_batch_norm(input):
             # NCHW: per-(n, c) row sums, 2-3x faster than torch's kernel; channels-last
             # (and 2D rows, viewed so) with many values per channel: column sums, where
@@ -375,6 +400,7 @@ def instance_norm(
     if backend == "auto" and not compiling():
         # NCHW: torch's GroupNorm kernel, one group per channel, where it is accurate;
         # channels-last (or past that bound): the slice-sums engine
+        input = _dense(input)
         stats = running_mean is not None or running_var is not None
         fast = native.instance_norm(input, weight, bias, eps, stats)
         if fast is None:
@@ -464,7 +490,7 @@ def layer_norm(
         return torch.nn.functional.layer_norm(input, shape, weight, bias, eps)
     if backend == "auto":
         if not compiling():
-            y = native.layer_norm(input, shape, weight, bias, eps)
+            y = native.layer_norm(_dense(input), shape, weight, bias, eps)
             if y is not None:
                 return y
         elif library.serves_layer_norm(input, weight, bias):
@@ -563,7 +589,9 @@ def layer_norm2d(
         return _layer_norm2d_accelerator(input, weight, bias, eps)
     if backend == "auto" and not compiling():
         # channels-last (or 2D) data already has C innermost: torch's LayerNorm over the
-        # last dim of the (N, *, C) view, no copies, then the view back
+        # last dim of the (N, *, C) view, no copies, then the view back (a strided view
+        # stays so: a dense copy first measured no faster, 0.6-0.7x at two threads,
+        # benchmarks/strided_inputs.py)
         last = input.movedim(1, -1)
         if last.is_contiguous():
             y = native.layer_norm(last, (input.shape[1],), weight, bias, eps)
@@ -659,6 +687,8 @@ def group_norm(
     if backend == "auto" and compiling() and library.serves_group_norm(input, weight, bias):
         # torch.compile: the eager paths below as one operator (kernels.library)
         return library.group_norm(input, num_groups, weight, bias, eps)
+    if backend == "auto" and not compiling():
+        input = _dense(input)
     layout = _channels_last_format(input)
     if layout is not None and backend == "auto" and not compiling():
         fast = _group_norm_channels_last(input, num_groups, weight, bias, eps)

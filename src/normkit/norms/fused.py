@@ -1079,6 +1079,8 @@ def batch_norm_act(
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                          eps, unbiased_running_var=unbiased_running_var, backend=backend)
         return _activate(activation, y, False)
+    if backend == "auto" and not reference:
+        input = F._dense(input)  # (a strided view: one copy first, as torch's kernels make)
     dims = (0, *range(2, input.dim()))
     count = _stats.reduced_count(input.shape, dims)
     # without a gradient (statistics recalibration under no_grad, e.g. SWA's update_bn)
@@ -1286,6 +1288,8 @@ def group_norm_act(
         # it (see F.TRITON_AUTO_OPS)
         y = TF.group_norm(input, int(num_groups), weight, bias, eps)
         return _activate(activation, y, False)
+    if backend == "auto":  # (not under torch.compile: `reference` returned above)
+        input = F._dense(input)  # (a strided view: one copy first, as torch's kernels make)
     per_group = input.numel() // (input.shape[0] * num_groups)
     if per_group == 1:
         y = F.group_norm(input, num_groups, weight, bias, eps, backend=backend)  # raises
