@@ -191,6 +191,96 @@ def test_strided_views_take_the_dense_fast_paths(name, offset):
     assert_grad_close(x.grad, ref_x.grad, torch.float32)
 
 
+HALF_CASES = {  # a 16-bit input past float32's fast-path limits, and its layer
+    # channels-last BatchNorm past 8192 values per channel (4 x 48 x 48 = 9216)
+    "bn-cl-many-values": (lambda: normkit.BatchNorm2d(4), (4, 4, 48, 48), True),
+    "bn-act-cl-many-values": (lambda: normkit.BatchNormAct2d(4, act="elu"), (4, 4, 48, 48),
+                              True),
+    # channels-last GroupNorm from 512 positions (24 x 24 = 576)
+    "gn-cl-many-positions": (lambda: normkit.GroupNorm(2, 4), (3, 4, 24, 24), True),
+    "gn-act-cl-many-positions": (lambda: normkit.GroupNormAct(2, 4, act="silu"),
+                                 (3, 4, 24, 24), True),
+    "in-nchw": (lambda: normkit.InstanceNorm2d(4, affine=True, track_running_stats=True),
+                (3, 4, 6, 7), False),
+    "in-cl": (lambda: normkit.InstanceNorm2d(4, affine=True), (3, 4, 24, 24), True),
+    "add-layer-norm": (lambda: normkit.AddLayerNorm(24), (9, 24), False),
+}
+
+
+@pytest.mark.parametrize("param_dtype", ["same", "float32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(HALF_CASES))
+def test_16bit_input_takes_torchs_kernels_past_float32_limits(name, dtype, param_dtype,
+                                                              monkeypatch):
+    """float16/bfloat16 input whose float32 twin would take the slice-sums engine (which
+    serves float32/float64 only) or the compensated core runs torch's kernels instead:
+    their float32 sums stay far under the output's rounding. The compensated core is
+    never called; output, input gradient and running statistics equal float64 within the
+    dtype's tolerance, with 16-bit or float32 parameters."""
+    from oracle import GRAD_TOL, assert_close, reference_forward
+
+    from normkit.norms import fused
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the compensated core ran")
+
+    monkeypatch.setattr(F, "normalize", forbidden)
+    monkeypatch.setattr(fused, "normalize", forbidden)
+    monkeypatch.setattr(fused, "FUSED_ACT_MIN_ELEMENTS", 0)  # (the fused nodes at any size)
+    make, shape, channels_last = HALF_CASES[name]
+    module = make()
+    module.to(dtype if param_dtype == "same" else torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    x64 = torch.randn(shape, generator=gen, dtype=torch.float64) * 1.5 + 1.0
+    x = x64.to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    if name == "add-layer-norm":
+        residual = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        y, _ = module(x, residual)
+        s64 = x.detach().double() + residual.double()
+        ref_x = s64.requires_grad_()  # (the sum's gradient is the input's)
+        ref = torch.nn.functional.layer_norm(ref_x, (shape[-1],), module.weight.double(),
+                                             module.bias.double())
+    else:
+        y = module(x)
+        ref_x = x.detach().double().requires_grad_()
+        twin = module
+        if isinstance(module, normkit.GroupNormAct):
+            twin = normkit.GroupNorm(2, 4).to(module.weight.dtype)
+            twin.load_state_dict(module.state_dict())
+        if hasattr(module, "running_mean") and module.running_mean is not None:
+            twin = make().to(module.weight.dtype).train()  # fresh buffers: the same mode
+            twin.load_state_dict({k: v for k, v in module.state_dict().items()
+                                  if not k.startswith("running") and "batches" not in k},
+                                 strict=False)
+        ref = reference_forward(twin, ref_x, input_dtype=dtype)
+        act = getattr(module, "act", None)
+        if act is not None:
+            ref = {"elu": TF.elu, "silu": TF.silu}[act](ref)
+    assert y.dtype == dtype
+    assert_close(y, ref, dtype)
+    dy = torch.randn(shape, generator=gen).to(dtype)
+    y.backward(dy), ref.backward(dy.double())
+    torch.testing.assert_close(x.grad.double(), ref_x.grad, rtol=GRAD_TOL[dtype],
+                               atol=GRAD_TOL[dtype] * float(ref_x.grad.abs().max()))
+    if getattr(module, "running_mean", None) is not None:
+        dims = (0, *range(2, len(shape)))
+        per = (lambda t: t.mean(dims)) if "bn" in name else (
+            lambda t: t.mean(dims[1:]).mean(0))
+        torch.testing.assert_close(module.running_mean.double(), 0.1 * per(x64.to(dtype)
+                                                                           .double()),
+                                   rtol=GRAD_TOL[dtype], atol=GRAD_TOL[dtype])
+    with torch.no_grad():  # (inference takes its own paths: the same result)
+        again = module(x.detach(), residual)[0] if name == "add-layer-norm" else module(
+            x.detach())
+    assert_close(again, ref.detach(), dtype, "no-grad output")
+
+
 @pytest.mark.parametrize("shape,layout", [((8, 4, 3, 3), "contiguous"),
                                           ((8, 4, 5, 5), "channels_last"), ((16, 4), "rows")])
 @pytest.mark.parametrize("offset", [0.5, 1e3], ids=["kernel", "compensated"])

@@ -407,9 +407,12 @@ def instance_norm(
             fast = channels.normalize(input, weight, bias, channels.Pool("instance"), eps,
                                       _reference(dims, view, eps))
         layout = _channels_last_format(input)
-        if fast is None and layout is not None and input.numel() < channels.MIN_ELEMENTS:
-            # small channels-last input: that kernel on an NCHW copy (1.2-2x faster
-            # fwd+bwd than the compensated path below the engine's size floor)
+        if fast is None and layout is not None and (
+                input.numel() < channels.MIN_ELEMENTS
+                or input.dtype in (torch.float16, torch.bfloat16)):
+            # small (or 16-bit: the engine serves float32/float64 only) channels-last
+            # input: that kernel on an NCHW copy (1.2-2x faster fwd+bwd than the
+            # compensated path below the engine's size floor)
             fast = native.instance_norm(input.contiguous(), weight, bias, eps, stats)
             if fast is not None:
                 fast = (fast[0].contiguous(memory_format=layout), *fast[1:])
@@ -717,15 +720,25 @@ def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
     :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS` positions (at any size:
     on small inputs the copies to NCHW and back cost more than the kernel), the
     slice-sums engine from there up (see there why); ``None`` when the data are
-    ill-conditioned or neither serves them."""
-    if x.shape[2:].numel() < channels.GROUP_NORM_MIN_POSITIONS:
-        if not channels.wide(x, weight, bias):
-            return None
+    ill-conditioned or neither serves them. 16-bit input (which the engine does not
+    serve) takes torch's channels-last kernel from those positions up when no gradient is
+    needed (its float32 sums, 2.5e-5 to 6.3e-5 off at 56 x 56 to 128 x 128 positions,
+    ACCURACY.md, stay far under the output's rounding); else ``None``: the NCHW kernels
+    on a copy, faster there than torch's 16-bit channels-last ones (RESULTS.md, "16-bit
+    input on the CPU")."""
+    many = x.shape[2:].numel() >= channels.GROUP_NORM_MIN_POSITIONS
+    if x.dtype in (torch.float16, torch.bfloat16):
+        kernel = many and native.kernel_dtypes(x, weight, bias) and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (x, weight, bias)))
+    else:
+        kernel = not many and channels.wide(x, weight, bias)
+    if kernel:
         n, c = x.shape[:2]
         y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(),
                                                 groups, eps)
         return y if native.well_conditioned(mean, rstd, channels.RATIO) else None
-    if not channels.supports(x, weight, bias):
+    if not many or not channels.supports(x, weight, bias):
         return None
     per_group = x.shape[1] // groups
     pview = (1, groups, per_group) + (1,) * (x.dim() - 2)

@@ -144,13 +144,20 @@ CHANNELS_LAST_MAX_COUNT = 8192
 #: gradient tolerance of 5e-5. Beyond, torch's dbias error keeps growing (1.6e-5 at
 #: 262144).
 CHANNELS_LAST_BACKWARD_MAX_COUNT = 1 << 17
+#: :data:`CHANNELS_LAST_MAX_COUNT` for float16/bfloat16 input, whose output is rounded to
+#: 11 or 8 significant bits: torch's sequential float32 sums stay 8.9e-5 off at 131072
+#: values per channel (``benchmarks/accuracy.py --counts``, ACCURACY.md), 5x under
+#: float16's half-ulp at 1.0 (4.9e-4) and 40x under bfloat16's (3.9e-3), so its kernel
+#: serves 16-bit input up to there (the slice-sums engine, float32/float64 only, does not
+#: serve 16-bit input at all: it took the compensated core, 5-8x slower than torch).
+CHANNELS_LAST_MAX_COUNT_16BIT = 1 << 17
 
 
 def _bn_threshold(x: Tensor, training: bool = False) -> float | None:
     """The ratio bound under which torch's BatchNorm kernel is kept for ``x``, or
     ``None`` where it is never used (empty input, strided input, and in training
     channels-last or 2D input with more than :data:`CHANNELS_LAST_MAX_COUNT` values per
-    channel)."""
+    channel, :data:`CHANNELS_LAST_MAX_COUNT_16BIT` for 16-bit input)."""
     if x.numel() == 0:  # torch's CPU kernel dies with SIGFPE on an empty batch in eval
         return None
     if x.dim() > 2 and x.is_contiguous():
@@ -162,7 +169,9 @@ def _bn_threshold(x: Tensor, training: bool = False) -> float | None:
         return None
     if not training:
         return THRESHOLDS["batch_norm_channels_last"]
-    if x.numel() // x.shape[1] > CHANNELS_LAST_MAX_COUNT:
+    limit = (CHANNELS_LAST_MAX_COUNT_16BIT if x.dtype in (torch.float16, torch.bfloat16)
+             else CHANNELS_LAST_MAX_COUNT)
+    if x.numel() // x.shape[1] > limit:
         return None
     return THRESHOLDS["batch_norm_channels_last_train"]
 
@@ -300,15 +309,16 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     (NCHW) runs it faster than torch's own InstanceNorm (BatchNorm of the ``(1, N*C, *)``
     view) and than normkit's slice-sums engine: fwd+bwd 1.4-1.6x torch's InstanceNorm and
     1.1-1.5x the engine, forward 3.1-3.9x and 1.6-1.7x (32x64x56x56, 32x256x14x14,
-    8x32x128x128, 1 and 2 threads). Its bound is the NCHW GroupNorm one.
+    8x32x128x128, 1 and 2 threads). Its bound is the NCHW GroupNorm one. 16-bit input
+    too (with parameters of its dtype or float32: the kernel's mixed-dtype path), whose
+    statistics come back in float32 where the kernel computes them so.
 
     Example:
         >>> y, mean, var = instance_norm(torch.randn(2, 3, 8, 8) + 5.0, None, None, 1e-5)
         >>> mean.shape, bool((mean - 5.0).abs().max() < 1.0)
         (torch.Size([2, 3]), True)
     """
-    if (not _plain_dense(x) or x.dim() < 3 or x.dtype not in (torch.float32, torch.float64)
-            or any(p is not None and p.dtype != x.dtype for p in (weight, bias))):
+    if not _plain_dense(x) or x.dim() < 3 or not kernel_dtypes(x, weight, bias):
         return None
     n, c = x.shape[:2]
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(), c, eps)
@@ -316,7 +326,7 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
         return None
     if not stats:
         return y, None, None
-    var = rstd.detach().double().pow(-2).sub_(eps).clamp_(min=0).to(x.dtype)
+    var = rstd.detach().double().pow(-2).sub_(eps).clamp_(min=0).to(rstd.dtype)
     return y, mean.detach().view(n, c), var.view(n, c)
 
 

@@ -347,7 +347,7 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
     mean = rstd = None
     if center:
         y = None
-        if use_native and s.dtype in _WIDE and _same_dtype(s, weight, bias):
+        if use_native and native.kernel_dtypes(s, weight, bias):  # (16-bit s too)
             y, mean, rstd = torch.native_layer_norm(s, shape, weight, bias, eps)
             if not native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
                 y = mean = rstd = None
@@ -794,6 +794,9 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     ``from_row_sums`` says the first path was taken (so the backward is the same
     engine's, :func:`normkit.kernels.channels.backward`).
     """
+    if x.numel() > 0 and x.dtype in _HALF and not overwrite:
+        return _fast_batch_norm_16bit(x, weight, bias, running_mean, running_var, momentum,
+                                      eps, count, unbiased)
     if x.numel() == 0 or x.dtype not in _WIDE or not _same_dtype(x, weight, bias):
         return None
     if _from_row_sums(x):
@@ -826,6 +829,35 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
         if not in_kernel:
             _update_running(running_mean, running_var, mean, var, count, momentum, unbiased)
         y = _normalize_with(x, mean, invstd, weight, bias, overwrite)
+    return y, mean, invstd, False
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _fast_batch_norm_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                           running_mean: Tensor | None, running_var: Tensor | None,
+                           momentum: float, eps: float, count: int, unbiased: bool
+                           ) -> tuple[Tensor, Tensor, Tensor, bool] | None:
+    """:func:`_fast_batch_norm` of float16/bfloat16 input: torch's fused kernel under
+    BatchNorm's bound and counts for 16-bit input (``native.CHANNELS_LAST_MAX_COUNT_16BIT``:
+    its float32 sums stay far under the output's rounding), without the buffers, which
+    are then updated once from its statistics. A float32 unit weight stands in for a
+    missing one, so that the statistics come back in float32 (the kernel's mixed-dtype
+    path) rather than rounded to 16 bits; with 16-bit parameters they are 16-bit, as in
+    torch's own BatchNorm."""
+    threshold = native._bn_threshold(x, training=True)
+    if threshold is None or not native.kernel_dtypes(x, weight, bias):
+        return None
+    unit = (torch.ones(x.shape[1], dtype=torch.float32, device=x.device)
+            if weight is None and (bias is None or bias.dtype == torch.float32) else None)
+    y, mean, invstd = torch.native_batch_norm(x, weight if unit is None else unit, bias,
+                                              None, None, True, 0.0, eps)
+    if not native.well_conditioned(mean, invstd, threshold):
+        return None
+    mean, invstd = mean.detach(), invstd.detach()
+    var = torch.pow(invstd.float(), -2).sub_(eps).clamp_(min=0.0)
+    _update_running(running_mean, running_var, mean, var, count, momentum, unbiased)
     return y, mean, invstd, False
 
 
@@ -904,7 +936,8 @@ class _BatchNormActFunction(torch.autograd.Function):
             if fb_idx is not None:
                 fb_xhat = _robust_xhat(x.index_select(1, fb_idx), dims, eps).to(x.dtype)
         fast = None
-        if use_native:
+        if use_native and not (inplace and x.dtype in _HALF):
+            # (In-Place ABN recovers the input from 16-bit output: its float32 core only)
             fast = _fast_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps,
                                     count, unbiased, overwrite)
         ctx.row_sums = False
@@ -1132,13 +1165,17 @@ def _activate(activation: Activation, y: Tensor, reference: bool) -> Tensor:
     return activation.apply_(y)
 
 
-def _group_norm_for_act(x, weight, bias, groups, eps, use_native):
+def _group_norm_for_act(x, weight, bias, groups, eps, use_native, for_backward=True):
     """``(y, mean, rstd, path)``: GroupNorm of ``x`` in its layout, a fresh tensor, by the
     path :class:`_GroupNormActFunction` describes (``mean``/``rstd`` ``None`` on the
-    compensated path, which its backward recomputes)."""
+    compensated path, which its backward recomputes). Without a backward to come
+    (``for_backward=False``) 16-bit channels-last input from ``GROUP_NORM_MIN_POSITIONS``
+    positions takes torch's channels-last forward kernel itself, as
+    :func:`normkit.functional.group_norm` does."""
     n, c = x.shape[:2]
     layout = F._channels_last_format(x)
     fast = use_native and x.dtype in _WIDE and _same_dtype(x, weight, bias)
+    half = use_native and x.dtype in _HALF and native.kernel_dtypes(x, weight, bias)
     y = mean = rstd = None
     path = "robust"
     if (fast and layout is not None
@@ -1147,14 +1184,22 @@ def _group_norm_for_act(x, weight, bias, groups, eps, use_native):
         if stats is not None:
             mean, _, rstd = stats
             y, path = channels.affine(x, mean, rstd, weight, bias), "channels_last"
-    elif fast:  # torch's kernels both ways, in x's layout
-        y, mean, rstd = torch.native_group_norm(x if layout else x.contiguous(), weight,
-                                                bias, n, c, x.numel() // (n * c), groups, eps)
-        path = "native"
-        bound = channels.RATIO if layout else native.THRESHOLDS["group_norm"]
+    elif fast or half:  # torch's kernels both ways, in x's layout; 16-bit at any size (its
+        # float32 sums far under the output's rounding), channels-last 16-bit on an NCHW
+        # copy (torch's channels-last 16-bit kernels are the slower, its backward ~25x)
+        copy = half and layout is not None and (
+            for_backward or x.shape[2:].numel() < channels.GROUP_NORM_MIN_POSITIONS)
+        path = "native-nchw" if copy else "native"
+        kernel_layout = layout if path == "native" else None
+        y, mean, rstd = torch.native_group_norm(x if kernel_layout else x.contiguous(),
+                                                weight, bias, n, c, x.numel() // (n * c),
+                                                groups, eps)
+        bound = channels.RATIO if kernel_layout else native.THRESHOLDS["group_norm"]
         if not native.well_conditioned(mean, rstd, bound):
             y = mean = rstd = None
             path = "robust"
+        elif path == "native-nchw":
+            y = y.contiguous(memory_format=layout)
     if y is None:  # compensated statistics (normkit's core), recomputed in backward
         w, b = _group_params(x, groups, weight, bias)
         y = normalize(_grouped(x.contiguous(), groups), _group_dims(x), w, b,
@@ -1172,8 +1217,10 @@ class _GroupNormActFunction(torch.autograd.Function):
       under the ``r <= 2`` rule of :mod:`normkit.kernels.channels`, from there up that
       engine (per-(sample, channel) sums both ways), as
       :func:`normkit.functional.group_norm` does;
-    * otherwise (ill-conditioned, 16-bit, mixed dtypes): normkit's compensated core,
-      recomputed in backward.
+    * 16-bit input (with 16-bit or float32 parameters): torch's kernels at any size, on
+      an NCHW copy of channels-last input;
+    * otherwise (ill-conditioned, mixed dtypes): normkit's compensated core, recomputed
+      in backward.
 
     Saves the input, the output where the activation's derivative can use it, and the
     ``(N, G)`` statistics.
@@ -1210,8 +1257,8 @@ class _GroupNormActFunction(torch.autograd.Function):
             grads = _grads_of(y_, (x_, w_, b_), dy.contiguous(), create_graph=False)
         else:
             dy = act.backward(dz, z, y)
-            if ctx.path == "native":
-                layout = F._channels_last_format(x)
+            if ctx.path in ("native", "native-nchw"):
+                layout = F._channels_last_format(x) if ctx.path == "native" else None
                 grads = _ATEN.native_group_norm_backward(
                     dy.contiguous(memory_format=layout or torch.contiguous_format),
                     x if layout else x.contiguous(), mean, rstd, weight, n, c,
@@ -1299,7 +1346,7 @@ def group_norm_act(
         # inference: no autograd node, and the activation in place on the fresh output
         # (the node keeps the pre-activation for the backward of SiLU, GELU, ...)
         y = _group_norm_for_act(input, weight, bias, int(num_groups), eps,
-                                backend == "auto")[0]
+                                backend == "auto", for_backward=False)[0]
         return activation.apply_(y)
     if input.numel() < FUSED_ACT_MIN_ELEMENTS:  # small: GroupNorm's node, then the act's
         y = F.group_norm(input, num_groups, weight, bias, eps, backend=backend)
