@@ -223,38 +223,14 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(
     kernel_sums = channels._kernel_column_sums
     monkeypatch.setattr(channels, "_kernel_column_sums",
                         lambda cols, fold=1: calls.append(fold) or kernel_sums(cols, fold))
-    make = {"bn-cl": lambda: normkit.BatchNorm2d(6), "gn-cl": lambda: normkit.GroupNorm(3, 6),
-            "in-cl": lambda: normkit.InstanceNorm2d(6, affine=True)}[name]
     gen = torch.Generator().manual_seed(1)
     # (16 x 576 values per channel: past the count where BatchNorm keeps torch's kernel)
     x64 = torch.randn(16, 6, 24, 24, generator=gen, dtype=torch.float64).add_(1.0)
     assert channels._fold(24 * 24) > 1
-    dy = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        module = make()
-        with torch.no_grad():
-            for p in module.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen))
-        x = x64.float().contiguous(memory_format=torch.channels_last).requires_grad_()
-        y = module(x)
-        y.backward(dy.float())
-    finally:
-        torch.set_num_threads(before)
-    assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    _channels_last_layer_equals_float64(name, x64, gen, threads)
     rows = channels.FOLD_ROWS_BATCH if name == "bn-cl" else channels.FOLD_ROWS
     kernel = way == "folded kernel"
     assert calls == ([channels._fold(24 * 24, rows)] if kernel else []), calls
-    twin = make().double()
-    twin.load_state_dict(module.state_dict())
-    if name == "bn-cl":  # the reference in the module's mode before the call (training)
-        twin.running_mean.zero_(), twin.running_var.fill_(1.0)
-    ref_x = x64.clone().requires_grad_()
-    ref = reference_forward(twin, ref_x, input_dtype=torch.float32)
-    ref.backward(dy)
-    assert_close(y, ref, torch.float32)
-    assert_grad_close(x.grad, ref_x.grad, torch.float32, "input grad")
 
 
 @pytest.mark.parametrize("name", ["bn-cl", "in-cl", "gn-cl"])
@@ -268,23 +244,39 @@ def test_unfoldable_channels_last_sums_equal_float64(monkeypatch, name):
     kernel_sums = channels._kernel_column_sums
     monkeypatch.setattr(channels, "_kernel_column_sums",
                         lambda cols, fold=1: calls.append(fold) or kernel_sums(cols, fold))
-    make = {"bn-cl": lambda: normkit.BatchNorm2d(6), "gn-cl": lambda: normkit.GroupNorm(3, 6),
-            "in-cl": lambda: normkit.InstanceNorm2d(6, affine=True)}[name]
     positions = 577  # prime, <= CHANNELS_LAST_MAX_COUNT; 16 x 577 values per channel
     assert channels._fold(positions, channels._fold_rows(channels.Pool("batch"))) is None
     assert channels._fold(positions) is None
     gen = torch.Generator().manual_seed(2)
     x64 = torch.randn(16, 6, 1, positions, generator=gen, dtype=torch.float64).add_(1.0)
-    dy = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
-    module = make()
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen))
-    x = x64.float().contiguous(memory_format=torch.channels_last).requires_grad_()
-    y = module(x)
-    y.backward(dy.float())
-    assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    _channels_last_layer_equals_float64(name, x64, gen)
     assert calls == ([1] if name == "bn-cl" else []), calls
+
+
+_CHANNELS_LAST_LAYERS = {"bn-cl": lambda: normkit.BatchNorm2d(6),
+                         "gn-cl": lambda: normkit.GroupNorm(3, 6),
+                         "in-cl": lambda: normkit.InstanceNorm2d(6, affine=True)}
+
+
+def _channels_last_layer_equals_float64(name, x64, gen, threads=None):
+    """Run layer ``name`` (random affine) on ``x64`` as channels-last float32 with
+    ``threads`` and check that the engine served it and that its output and input
+    gradient equal the float64 reference."""
+    make = _CHANNELS_LAST_LAYERS[name]
+    dy = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        module = make()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        x = x64.float().contiguous(memory_format=torch.channels_last).requires_grad_()
+        y = module(x)
+        y.backward(dy.float())
+    finally:
+        torch.set_num_threads(before)
+    assert "SliceNorm" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
     twin = make().double()
     twin.load_state_dict(module.state_dict())
     if name == "bn-cl":  # the reference in the module's mode before the call (training)
