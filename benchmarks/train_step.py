@@ -40,6 +40,10 @@ more row for the BatchNorm networks, **normkit fold_batchnorm**: the BatchNorms 
 into the convolutions before them (``normkit.fold_batchnorm``); every row's output is
 checked against torch's.
 
+``--autocast-bf16`` times the training steps under ``torch.autocast("cpu",
+dtype=torch.bfloat16)``: the convolutions and matrix products run in bfloat16 and hand
+the norms bfloat16 input (with float32 parameters), CPU mixed-precision training.
+
 ``--frozen-statistics`` times training steps of the BatchNorm networks with every
 BatchNorm in eval mode (running statistics from two training-mode passes, affine still
 trained): the fine-tuning recipe that freezes a pretrained backbone's statistics. Two
@@ -261,9 +265,11 @@ def _networks(which: str, layout: str, inference: bool
     return {**rows, "no norm": without_norms(model)}, x
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+          autocast: bool = False) -> float:
     opt.zero_grad(set_to_none=True)
-    loss = model(x).square().mean()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(x).float().square().mean()
     loss.backward()
     opt.step()
     return float(loss.detach())
@@ -275,10 +281,10 @@ def _inference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def measure(which: str, layout: str, rounds: int, inference: bool = False,
-            frozen: bool = False) -> list[tuple[str, float, float]]:
+            frozen: bool = False, autocast: bool = False) -> list[tuple[str, float, float]]:
     """``(row, median ms, median ratio to the baseline)`` at the current threads: of a
-    training step (with ``frozen`` BatchNorm statistics), or with ``inference`` of an
-    eval-mode forward under inference mode.
+    training step (with ``frozen`` BatchNorm statistics; under ``autocast``, bfloat16
+    mixed precision), or with ``inference`` of an eval-mode forward under inference mode.
 
     Raises AssertionError when a row's first-step loss (inference: output) departs from
     its baseline's (a row that computed something else would time something else)."""
@@ -295,11 +301,14 @@ def measure(which: str, layout: str, rounds: int, inference: bool = False,
     else:
         opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
                 for name, m in rows.items()}
-        calls = {name: (lambda m=m, o=opts[name]: _step(m, o, x)) for name, m in rows.items()}
+        calls = {name: (lambda m=m, o=opts[name]: _step(m, o, x, autocast))
+                 for name, m in rows.items()}
         losses = {name: call() for name, call in calls.items()}
+        tolerance = 2e-2 if autocast else 1e-4  # (bfloat16 keeps 8 significant bits)
         for name, loss in losses.items():
             reference = losses[_reference_row(name, base)]
-            if name != "no norm" and abs(loss - reference) > 1e-4 * max(1.0, abs(reference)):
+            if name != "no norm" and abs(loss - reference) > tolerance * max(1.0,
+                                                                              abs(reference)):
                 raise AssertionError(f"{which}: {name}'s first loss {loss} != {reference}")
     times: dict[str, list[float]] = {name: [] for name in rows}
     for round_ in range(rounds):
@@ -336,7 +345,13 @@ def main() -> None:
     parser.add_argument("--frozen-statistics", action="store_true",
                         help="training steps with every BatchNorm in eval mode (BatchNorm "
                              "networks only)")
+    parser.add_argument("--autocast-bf16", action="store_true",
+                        help="training steps under torch.autocast('cpu', bfloat16): the "
+                             "norms see bfloat16 input")
     args = parser.parse_args()
+    if args.autocast_bf16 and args.inference:
+        parser.error("--autocast-bf16 times training steps; --inference forward passes: "
+                     "pick one")
     if args.frozen_statistics and args.inference:
         parser.error("--frozen-statistics times training steps; --inference forward passes: "
                      "pick one")
@@ -353,7 +368,7 @@ def main() -> None:
             layouts = ["rows"] if which == "transformer" else args.layouts
             for layout in layouts:
                 for name, ms, ratio in measure(which, layout, args.rounds, args.inference,
-                                               args.frozen_statistics):
+                                               args.frozen_statistics, args.autocast_bf16):
                     print(f"| {threads} | {which} | {describe(which)} | {layout} | {name} "
                           f"| {ms:.1f} | {ratio:.2f}x |", flush=True)
 
