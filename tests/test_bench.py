@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import normkit
-from normkit.bench import cli, measure, report
+from normkit.bench import cli, measure, report, runner
 from normkit.bench.ops import (
     EXTERNALS,
     OPS,
@@ -46,7 +46,8 @@ DIMS = {"rows": (6, 16), "image": (3, 8, 4, 5)}
 
 ENVIRONMENT_KEYS = {
     "date", "normkit", "torch", "python", "platform", "cpu_model", "cpu_count", "device",
-    "device_name", "dtype", "threads", "input", "input_doc", "copy_bandwidth_gbs",
+    "device_name", "dtype", "param_dtype", "threads", "input", "input_doc",
+    "copy_bandwidth_gbs",
     "copy_buffer_bytes", "memory_method", "load_average", "allocator",
 }
 RECORD_KEYS = {"op", "shape", "layout", "pass", "threads", "ideal_bytes", "baseline", "normkit",
@@ -72,8 +73,8 @@ def test_json_schema(doc):
     assert doc["command"].startswith("normkit bench layer_norm")
     env = doc["environment"]
     assert set(env) == ENVIRONMENT_KEYS
-    assert (env["device"], env["dtype"], env["threads"], env["input"]) == (
-        "cpu", "float32", [1], "randn")
+    assert (env["device"], env["dtype"], env["param_dtype"], env["threads"], env["input"]) == (
+        "cpu", "float32", "float32", [1], "randn")
     assert env["torch"] == torch.__version__ and env["normkit"] == normkit.__version__
     assert list(env["copy_bandwidth_gbs"]) == ["1"] and env["copy_bandwidth_gbs"]["1"] > 0
     assert set(env["load_average"]) == {"start", "end"}
@@ -388,6 +389,33 @@ def test_parse_shape_errors(spec, message):
         parse_shapes(spec)
 
 
+def test_param_dtype_times_mixed_precision(monkeypatch):
+    """``--param-dtype float32`` with 16-bit inputs: every implementation's module keeps
+    float32 parameters (as under torch.autocast), the inputs are 16-bit, the ideal bytes
+    count the parameters at 4 bytes, and the report says so; a bad dtype is refused."""
+    built = []
+    real = runner._Case._build
+
+    def spy(self, name):
+        module = real(self, name)
+        built.append((name, {p.dtype for p in module.parameters()}, self.inputs[0].dtype))
+        return module
+
+    monkeypatch.setattr(runner._Case, "_build", spy)
+    config = BenchConfig(ops=("layer_norm",), shapes="8x16", dtype="bfloat16",
+                         param_dtype="float32", repeats=1, warmup=0, min_time=0.0)
+    doc = run(config)
+    assert {name for name, _, _ in built} == {"torch", "normkit"}
+    assert all(p == {torch.float32} and x == torch.bfloat16 for _, p, x in built), built
+    env = doc["environment"]
+    assert (env["dtype"], env["param_dtype"]) == ("bfloat16", "float32")
+    record = next(r for r in doc["results"] if r["pass"] == "fwd")
+    assert record["ideal_bytes"] == 2 * 8 * 16 * 2 + 2 * 16 * 4
+    assert "bfloat16 (float32 parameters)" in report.to_markdown(doc)
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        BenchConfig(param_dtype="int8")
+
+
 def test_make_input_layouts_and_offset():
     x = make_input(Shape((2, 3, 4, 5), True), torch.bfloat16, "cpu", "offset")
     assert x.dtype == torch.bfloat16 and x.is_contiguous(memory_format=torch.channels_last)
@@ -609,6 +637,14 @@ def test_cli_json_to_stdout(capsys):
     captured = capsys.readouterr()
     assert code == 0 and captured.err == ""
     assert json.loads(captured.out)["results"][0]["op"] == "rms_norm"
+
+
+def test_cli_param_dtype(capsys):
+    code = cli.main(["rms_norm", "--shapes", "4x8", "--repeats", "1", "--min-time", "0",
+                     "--copy-mib", "1", "--dtype", "float16", "--param-dtype", "float32",
+                     "--quiet", "--json", "-"], prog="normkit bench")
+    env = json.loads(capsys.readouterr().out)["environment"]
+    assert code == 0 and (env["dtype"], env["param_dtype"]) == ("float16", "float32")
 
 
 def test_python_m_normkit_bench_lists_the_ops():

@@ -64,6 +64,21 @@ def test_copy_and_peak_bandwidth_targets():
     assert known["low"] == pytest.approx(100 * 4000 / 4800) and known["met"] is True
 
 
+def test_runs_of_another_dtype_are_not_evaluated():
+    """The issue's targets are float32: a bfloat16 run, or one with float32 parameters
+    but 16-bit inputs, covers none of them (documents without dtypes count as float32)."""
+    rows = [_row("rms_norm", (4096, 1024), 3.0)]
+    for dtype, params in (("bfloat16", "bfloat16"), ("float16", "float32")):
+        doc = _doc(rows)
+        doc["environment"].update(dtype=dtype, param_dtype=params)
+        assert _verdict([doc], "RMSNorm fwd+bwd")["rows"] == 0
+        assert markdown_lines([doc]) == []
+    doc = _doc(rows)
+    doc["environment"].update(dtype="float32", param_dtype="float32")
+    assert _verdict([doc], "RMSNorm fwd+bwd")["rows"] == 1 == _verdict(
+        [_doc(rows)], "RMSNorm fwd+bwd")["rows"]
+
+
 def test_targets_of_another_device_are_left_out():
     cpu = {v["target"] for v in evaluate([_doc([])])}
     cuda = {v["target"] for v in evaluate([_doc([], "cuda")])}

@@ -281,6 +281,49 @@ def test_16bit_input_takes_torchs_kernels_past_float32_limits(name, dtype, param
     assert_close(again, ref.detach(), dtype, "no-grad output")
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_16bit_inplace_abn_with_float32_parameters_takes_torchs_kernel(dtype, layout,
+                                                                      monkeypatch):
+    """In-Place ABN on 16-bit input (autocast: float32 parameters) takes torch's fused
+    kernel, whose statistics come back in float32 (its backward recovers the input from
+    the 16-bit output with them); with 16-bit parameters it keeps its float32 core."""
+    from oracle import GRAD_TOL, assert_close
+
+    from normkit.norms import fused
+
+    calls = []
+    real = fused._fast_batch_norm_16bit
+    monkeypatch.setattr(fused, "_fast_batch_norm_16bit",
+                        lambda *a: calls.append(real(*a)) or calls[-1])
+    gen = torch.Generator().manual_seed(4)
+    x64 = torch.randn(6, 5, 12, 12, generator=gen, dtype=torch.float64) * 2 + 0.5
+    x = x64.to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    for param_dtype in (torch.float32, dtype):
+        module = normkit.BatchNormAct2d(5, act="leaky_relu", negative_slope=0.1,
+                                        memory="inplace").to(param_dtype)
+        with torch.no_grad():
+            module.weight.copy_(torch.rand(5, generator=gen) + 0.5)
+            module.bias.copy_(torch.randn(5, generator=gen))
+        leaf = x.detach().clone().requires_grad_()
+        z = module(leaf * 1)
+        served = bool(calls) and calls[-1] is not None
+        assert served == (param_dtype == torch.float32), (param_dtype, calls)
+        calls.clear()
+        ref_x = x.detach().double().requires_grad_()
+        w64, b64 = (p.detach().double().requires_grad_() for p in (module.weight,
+                                                                   module.bias))
+        ref = TF.leaky_relu(TF.batch_norm(ref_x, None, None, w64, b64, training=True), 0.1)
+        assert_close(z, ref, dtype)
+        dz = torch.randn(z.shape, generator=gen, dtype=torch.float64)
+        z.backward(dz.to(dtype)), ref.backward(dz)
+        for got, want in ((leaf.grad, ref_x.grad), (module.weight.grad, w64.grad)):
+            torch.testing.assert_close(got.double(), want, rtol=GRAD_TOL[dtype],
+                                       atol=GRAD_TOL[dtype] * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("shape,layout", [((8, 4, 3, 3), "contiguous"),
                                           ((8, 4, 5, 5), "channels_last"), ((16, 4), "rows")])
 @pytest.mark.parametrize("offset", [0.5, 1e3], ids=["kernel", "compensated"])

@@ -100,6 +100,10 @@ def build_parser(prog: str = "normkit bench") -> argparse.ArgumentParser:
                         "count (default: 1)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                         help="dtype of inputs and modules (default: float32)")
+    parser.add_argument("--param-dtype", choices=tuple(DTYPES), default=None,
+                        help="dtype of the modules when not --dtype: float32 with a 16-bit "
+                        "--dtype times mixed precision as torch.autocast runs it (default: "
+                        "--dtype)")
     parser.add_argument("--shapes", default="standard", metavar="standard|small|SPEC",
                         help="shape set or comma list of shapes (default: standard)")
     parser.add_argument("--input", choices=tuple(INPUTS), default="randn",
@@ -237,7 +241,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
             parser.error(f"op {name!r} is not available here: {reason}")
     try:
         config = BenchConfig(ops=tuple(dict.fromkeys(args.ops)), device=args.device,
-                             threads=args.threads, dtype=args.dtype, shapes=args.shapes,
+                             threads=args.threads, dtype=args.dtype,
+                             param_dtype=args.param_dtype, shapes=args.shapes,
                              input=args.input, repeats=args.repeats, warmup=args.warmup,
                              min_time=args.min_time, compile=args.compile,
                              copy_mib=args.copy_mib, seed=args.seed,

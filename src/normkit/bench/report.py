@@ -154,6 +154,13 @@ def _cache_line(flush_mib: int) -> str:
             "inputs come from memory)")
 
 
+
+def _dtypes(env: dict) -> str:
+    """``bfloat16`` or, with parameters of another dtype, ``bfloat16 (float32 parameters)``
+    (documents written before ``param_dtype`` existed have the one dtype)."""
+    params = env.get("param_dtype", env["dtype"])
+    return env["dtype"] if params == env["dtype"] else f"{env['dtype']} ({params} parameters)"
+
 def to_markdown(doc: dict) -> str:
     """The document as Markdown: title, command, environment, table, legend, omissions."""
     env, settings = doc["environment"], doc["settings"]
@@ -162,7 +169,7 @@ def to_markdown(doc: dict) -> str:
     load_text = (f"; load average {load['start'][0]:.2f} at start, {load['end'][0]:.2f} at end"
                  if load.get("start") and load.get("end") else "")
     lines = [
-        f"# normkit bench: {env['device']}, {env['dtype']}, input {env['input']} "
+        f"# normkit bench: {env['device']}, {_dtypes(env)}, input {env['input']} "
         f"({conditioning})",
         "",
         "Produced by:",

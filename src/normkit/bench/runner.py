@@ -19,7 +19,8 @@ JSON document (``schema`` = :data:`SCHEMA`)::
     {"schema": "normkit-bench/1",
      "command": "normkit bench --shapes small",          # the exact command line
      "environment": {"date", "normkit", "torch", "python", "platform", "cpu_model",
-                     "cpu_count", "device", "device_name", "dtype", "threads": [1],
+                     "cpu_count", "device", "device_name", "dtype", "param_dtype",
+                     "threads": [1],
                      "input", "input_doc", "copy_bandwidth_gbs": {"1": 9.8},
                      "copy_buffer_bytes", "memory_method", "load_average": {"start", "end"},
                      "allocator": {"transparent_hugepage", "normkit_huge_pages",
@@ -102,6 +103,9 @@ class BenchConfig:
         device: ``"cpu"`` or ``"cuda"``.
         threads: CPU thread counts (``torch.set_num_threads``); each runs the whole set.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (inputs and modules).
+        param_dtype: the modules' dtype when it is not ``dtype``: ``"float32"`` with
+            16-bit inputs times mixed precision as ``torch.autocast`` runs it (16-bit
+            activations, float32 parameters and buffers); ``None``: ``dtype``.
         shapes: a set name (``standard``, ``small``) or a spec such as ``4096x1024,8x64x28x28:cl``.
         input: ``"randn"`` or ``"offset"`` (see :data:`INPUTS`).
         repeats: timed rounds per pass.
@@ -130,6 +134,7 @@ class BenchConfig:
     device: str = "cpu"
     threads: tuple[int, ...] = (1,)
     dtype: str = "float32"
+    param_dtype: str | None = None
     shapes: str = "standard"
     input: str = "randn"
     repeats: int = 15
@@ -154,6 +159,9 @@ class BenchConfig:
             raise ValueError(f"threads must be positive integers, got {self.threads}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.param_dtype is not None and self.param_dtype not in DTYPES:
+            raise ValueError(f"param_dtype must be one of {', '.join(DTYPES)} or None, got "
+                             f"{self.param_dtype!r}")
         if self.input not in INPUTS:
             raise ValueError(f"input must be one of {', '.join(INPUTS)}, got {self.input!r}")
         if self.repeats < 1 or self.warmup < 0 or self.min_time < 0 or self.copy_mib < 1:
@@ -293,6 +301,7 @@ def environment(config: BenchConfig) -> dict:
         "device": config.device,
         "device_name": torch.cuda.get_device_name() if cuda else cpu,
         "dtype": config.dtype,
+        "param_dtype": config.param_dtype or config.dtype,
         "threads": list(config.threads),
         "input": config.input,
         "input_doc": INPUTS[config.input],
@@ -330,6 +339,7 @@ class _Case:
         self.op, self.shape, self.config, self.threads = op, shape, config, threads
         self.copy_gbs = copy_gbs
         self.dtype = DTYPES[config.dtype]
+        self.param_dtype = DTYPES[config.param_dtype or config.dtype]
         self.timer = timer
         torch.manual_seed(config.seed)
         if config.compile:
@@ -365,7 +375,8 @@ class _Case:
             if build is None:
                 return None  # this library does not cover the op
             module = build(dims)
-        module = module.to(device=self.config.device, dtype=self.dtype).train(self.op.training)
+        module = module.to(device=self.config.device, dtype=self.param_dtype
+                           ).train(self.op.training)
         return torch.compile(module, dynamic=False) if name in COMPILED else module
 
     def _wall(self, step: Callable[[], object]) -> float:
@@ -408,7 +419,8 @@ class _Case:
         config, op = self.config, self.op
         inputs = ([t.detach().clone().requires_grad_() for t in self.inputs] if grad
                   else self.inputs)
-        ideal = op.ideal_bytes(self.shape.dims, pass_, self.inputs[0].element_size())
+        ideal = op.ideal_bytes(self.shape.dims, pass_, self.inputs[0].element_size(),
+                               self.param_dtype.itemsize)
         entries = {name: _blank(error) for name, error in self.build_errors.items()}
         steps = {}
         per_call = []

@@ -60,7 +60,9 @@ class Target:
     ``metric`` is ``"ratio"`` (torch eager time / normkit time), ``"pct_copy"`` (% of
     the copy bandwidth measured in the same run) or ``"pct_peak"`` (% of the nominal
     bandwidth given with ``--peak-gbs``). ``layouts`` of ``None`` accepts every layout;
-    ``shapes`` is a predicate on the shape.
+    ``shapes`` is a predicate on the shape. Every target is about ``dtype`` inputs and
+    modules (the issue's are float32): runs of another ``--dtype`` or ``--param-dtype``
+    are not evaluated against it.
     """
 
     text: str
@@ -71,6 +73,7 @@ class Target:
     metric: str = "ratio"
     layouts: tuple[str | None, ...] | None = None
     shapes: Callable[[Sequence[int]], bool] = _any
+    dtype: str = "float32"
 
     def covers(self, device: str, record: dict) -> bool:
         """Whether a bench row of a run on ``device`` is one this target is about."""
@@ -139,7 +142,8 @@ def evaluate(docs: Sequence[dict], targets: Sequence[Target] = TARGETS) -> list[
     was measured), ``below`` (how many rows miss the goal) and ``met``
     (``True``/``False``; ``None`` when no row covers it, or the metric could not be
     computed, e.g. ``pct_peak`` without ``--peak-gbs``).
-    Targets of another device than every document's are left out.
+    Targets of another device than every document's are left out, and so are the rows of
+    documents whose dtypes are not the target's.
 
     Example:
         >>> row = {"op": "add_layer_norm", "shape": [4096, 1024], "layout": "contiguous",
@@ -154,7 +158,8 @@ def evaluate(docs: Sequence[dict], targets: Sequence[Target] = TARGETS) -> list[
     for target in targets:
         if target.device not in devices:
             continue
-        rows = [(value, record) for doc in docs for record in doc["results"]
+        rows = [(value, record) for doc in docs if _dtypes(doc) == (target.dtype,) * 2
+                for record in doc["results"]
                 if target.covers(doc["environment"]["device"], record)
                 for value in [_value(target, doc, record)]]
         values = [(value, record) for value, record in rows if value is not None]
@@ -169,6 +174,13 @@ def evaluate(docs: Sequence[dict], targets: Sequence[Target] = TARGETS) -> list[
             "met": None if not values or len(values) < len(rows) else low[0] >= target.goal,
         })
     return verdicts
+
+
+def _dtypes(doc: dict) -> tuple[str, str]:
+    """A bench document's input and parameter dtypes (float32 where it does not say)."""
+    env = doc["environment"]
+    dtype = env.get("dtype", "float32")
+    return dtype, env.get("param_dtype", dtype)
 
 
 def _range(verdict: dict) -> str:

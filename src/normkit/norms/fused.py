@@ -794,7 +794,7 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     ``from_row_sums`` says the first path was taken (so the backward is the same
     engine's, :func:`normkit.kernels.channels.backward`).
     """
-    if x.numel() > 0 and x.dtype in _HALF and not overwrite:
+    if x.numel() > 0 and x.dtype in _HALF:  # (never overwritten: _can_overwrite)
         return _fast_batch_norm_16bit(x, weight, bias, running_mean, running_var, momentum,
                                       eps, count, unbiased)
     if x.numel() == 0 or x.dtype not in _WIDE or not _same_dtype(x, weight, bias):
@@ -936,8 +936,11 @@ class _BatchNormActFunction(torch.autograd.Function):
             if fb_idx is not None:
                 fb_xhat = _robust_xhat(x.index_select(1, fb_idx), dims, eps).to(x.dtype)
         fast = None
-        if use_native and not (inplace and x.dtype in _HALF):
-            # (In-Place ABN recovers the input from 16-bit output: its float32 core only)
+        if use_native and not (inplace and x.dtype in _HALF and not all(
+                p is None or p.dtype == torch.float32 for p in (weight, bias))):
+            # (In-Place ABN recovers the input from its 16-bit output with the statistics
+            # and affine: in float32, from the kernel with float32 parameters, else from
+            # its float32 core)
             fast = _fast_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps,
                                     count, unbiased, overwrite)
         ctx.row_sums = False
