@@ -150,7 +150,7 @@ def _group_norm_error(x: torch.Tensor, sums: tuple[torch.Tensor, torch.Tensor],
 #: GroupNorm and InstanceNorm (one group per channel) as in benchmarks/accuracy.py.
 ACCURACY_CASES = [((32, 64, 56, 56), 32), ((32, 32, 32, 32), 8), ((32, 32, 32, 32), 32)]
 #: Rows per fold to compare (each where it divides the positions), and unfolded.
-ACCURACY_ROWS = (512, 256, 128, 64, 32)
+ACCURACY_ROWS = (512, 256, 224, 128, 64, 32)
 
 
 def accuracy() -> None:

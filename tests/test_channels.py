@@ -201,9 +201,11 @@ def test_fold_views_at_most_fold_rows_in_sequence():
     assert channels._fold(56 * 56, channels.FOLD_ROWS_BATCH) == 14  # 224 rows
     assert channels._fold(24 * 24, channels.FOLD_ROWS_BATCH) == 3  # 192 rows
     assert channels._fold(200, channels.FOLD_ROWS_BATCH) == 1
-    assert channels._fold_rows(channels.Pool("batch")) == channels.FOLD_ROWS_BATCH
-    for pool in (channels.Pool("instance"), channels.Pool("group", 2)):
-        assert channels._fold_rows(pool) == channels.FOLD_ROWS
+    # so do GroupNorm's with two channels per group or more; one slice per group does not
+    for pool, wide in ((channels.Pool("batch"), True), (channels.Pool("group", 3), True),
+                       (channels.Pool("group", 6), False), (channels.Pool("instance"), False)):
+        rows = channels.FOLD_ROWS_BATCH if wide else channels.FOLD_ROWS
+        assert channels._fold_rows(pool, 6) == rows, pool
 
 
 @pytest.mark.parametrize("threads, block_bytes, way", [
@@ -228,7 +230,7 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(
     x64 = torch.randn(16, 6, 24, 24, generator=gen, dtype=torch.float64).add_(1.0)
     assert channels._fold(24 * 24) > 1
     _channels_last_layer_equals_float64(name, x64, gen, threads)
-    rows = channels.FOLD_ROWS_BATCH if name == "bn-cl" else channels.FOLD_ROWS
+    rows = channels.FOLD_ROWS if name == "in-cl" else channels.FOLD_ROWS_BATCH
     kernel = way == "folded kernel"
     assert calls == ([channels._fold(24 * 24, rows)] if kernel else []), calls
 
@@ -245,7 +247,7 @@ def test_unfoldable_channels_last_sums_equal_float64(monkeypatch, name):
     monkeypatch.setattr(channels, "_kernel_column_sums",
                         lambda cols, fold=1: calls.append(fold) or kernel_sums(cols, fold))
     positions = 577  # prime, <= CHANNELS_LAST_MAX_COUNT; 16 x 577 values per channel
-    assert channels._fold(positions, channels._fold_rows(channels.Pool("batch"))) is None
+    assert channels._fold(positions, channels.FOLD_ROWS_BATCH) is None
     assert channels._fold(positions) is None
     gen = torch.Generator().manual_seed(2)
     x64 = torch.randn(16, 6, 1, positions, generator=gen, dtype=torch.float64).add_(1.0)

@@ -214,7 +214,7 @@ def _slice_sums(x: Tensor, pool: Pool) -> tuple[Tensor, Tensor]:
     cols = _columns(x)  # (N, L, C)
     if _blocks_of_samples(cols, pool):
         return _blocked_column_sums(cols)
-    fold = _fold(cols.shape[1], _fold_rows(pool))
+    fold = _fold(cols.shape[1], _fold_rows(pool, c))
     if fold is not None:
         return _kernel_column_sums(cols, fold)
     if pool.kind == "batch" and cols.shape[1] <= CHANNELS_LAST_MAX_COUNT:
@@ -282,9 +282,12 @@ BATCH_BLOCK_MIN_SAMPLES = 4
 #: 1.5e-6. One group per channel (InstanceNorm) averages nothing over channels: 256 rows 4.6e-7 /
 #: 1.4e-6 / 5.2e-6, 64 rows 3.3e-7 / 1.2e-6 / 3.4e-6, the cascade 2.9e-7 / 8.4e-7 / 2.8e-6. So 64
 #: rows: within 1.2x of the cascade for every pool (256 rows were 1.1-1.7x faster than the blocks
-#: with one thread, 64 rows are 1.05-1.3x where they are taken).
+#: with one thread, 64 rows are 1.05-1.3x where they are taken). Only InstanceNorm (and
+#: GroupNorm with one channel per group) keeps it; pooled sums take
+#: :data:`FOLD_ROWS_BATCH` (:func:`_fold_rows`).
 FOLD_ROWS = 64
-#: Most rows in sequence for BatchNorm's sums, which pool every sample's. Relative error
+#: Most rows in sequence for BatchNorm's sums, which pool every sample's (and GroupNorm's,
+#: which pool several channels': :func:`_fold_rows`). Relative error
 #: of the pooled variance (``|mean| / std`` 1.5) at 32x64x56x56: 2.6e-7 at 224 rows, 1.5e-7
 #: at 64, 1.8e-7 from the blocks, 2.2e-6 unfolded (3136 rows); at 8x32x128x128 2.2e-7 at
 #: 256 rows. The kernel's sums at 224 rows (896 columns) took 1.2x less time than at 64
@@ -297,9 +300,28 @@ FOLD_ROWS_BATCH = 256
 FOLD_MIN_ROWS = 16
 
 
-def _fold_rows(pool: Pool) -> int:
-    """The most rows :func:`_fold` leaves for sums pooled by ``pool``."""
-    return FOLD_ROWS_BATCH if pool.kind == "batch" else FOLD_ROWS
+def _fold_rows(pool: Pool, channels: int) -> int:
+    """The most rows :func:`_fold` leaves for sums pooled by ``pool`` over ``channels``
+    channels: :data:`FOLD_ROWS_BATCH` where a group pools several slices' sums (BatchNorm;
+    GroupNorm with two channels per group or more), else :data:`FOLD_ROWS`.
+
+    GroupNorm at :data:`FOLD_ROWS_BATCH` rows: max error vs float64 at ``|mean| / std``
+    0 / 1 / 2 (``benchmarks/column_sums.py --accuracy``) 32x64x56x56 in 32 groups, 224
+    rows, 3.3e-7 / 1.0e-6 / 2.5e-6 (64 rows: 2.4e-7 / 7.9e-7 / 2.1e-6; torch's cascaded
+    sums 3.4e-7 / 1.1e-6 / 2.8e-6), 32x32x32x32 in 8 groups, 256 rows, 1.9e-7 / 7.6e-7 /
+    2.1e-6 (64 rows: 1.5e-7 / 6.7e-7 / 1.8e-6): within the cascade's. Its channels-last
+    forward was 1.1-1.3x faster than at 64 rows, whose folded matrices are as wide as
+    BatchNorm's were at 64 (RESULTS.md, "GroupNorm's folds"). One slice per group
+    (InstanceNorm) averages nothing over channels: 256 rows reach 5.2e-6 there, so it
+    keeps 64 (3.4e-6).
+
+    Example:
+        >>> _fold_rows(Pool("group", 32), 64), _fold_rows(Pool("instance"), 64)
+        (256, 64)
+    """
+    if pool.kind == "batch" or (pool.kind == "group" and channels // pool.groups >= 2):
+        return FOLD_ROWS_BATCH
+    return FOLD_ROWS
 
 
 @functools.lru_cache(maxsize=256)
@@ -507,7 +529,7 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
             cols_dy.reshape(shape), cols_x.reshape(shape), unit, None, None,
             mean.reshape(c).repeat(whole), unit, True, 0.0, [False, True, True])
         return s1.view(whole, c).sum(0, keepdim=True), sx.view(whole, c).sum(0, keepdim=True)
-    fold = _fold(length, _fold_rows(pool)) or 1
+    fold = _fold(length, _fold_rows(pool, c)) or 1
     shape = (n, length // fold, fold * c)
     unit = torch.ones(fold * c, dtype=x.dtype, device=x.device)
     means = mean.expand(n, c).repeat(1, fold)
