@@ -667,6 +667,53 @@ def test_add_norm_matches_reference(dtype, kind, affine, with_residual, residual
         assert_grad_close(g, e, tol_dtype, f"d{name}")
 
 
+@pytest.mark.parametrize("with_residual", [False, True], ids=["rms_norm", "add_rms_norm"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_rms_forward_in_blocks_equals_the_whole_tensor_passes(dtype, affine, with_residual,
+                                                              monkeypatch):
+    """Large inputs run RMSNorm's forward block by block of rows (the blocks here a few
+    rows, not dividing the row count): the output and the saved ``rstd`` are the same
+    bits as the whole-tensor passes, and output and gradients equal float64."""
+    from normkit.norms import fused
+
+    gen = torch.Generator().manual_seed(21)
+    x0 = (torch.randn(37, 50, generator=gen, dtype=torch.float64) * 3 + 1).to(dtype)
+    r0 = torch.randn(37, 50, generator=gen, dtype=torch.float64).to(dtype)
+    w = (torch.rand(50, generator=gen, dtype=torch.float64) + 0.5).to(dtype) if affine else None
+
+    def run(block_bytes, floor):
+        monkeypatch.setattr(fused, "RMS_CHUNK_BYTES", block_bytes)
+        monkeypatch.setattr(fused, "RMS_CHUNK_MIN_BYTES", floor)
+        calls = []
+        real = fused._rms_in_chunks
+        monkeypatch.setattr(fused, "_rms_in_chunks",
+                            lambda *a: calls.append(1) or real(*a))
+        x = x0.clone().requires_grad_()
+        r = r0.clone().requires_grad_() if with_residual else None
+        wl = None if w is None else w.clone().requires_grad_()
+        normed, s = add_rms_norm(x, r, (50,), wl)
+        assert (s is x) != with_residual  # (no residual: x passes on, never copied)
+        rstd = normed.grad_fn.saved_tensors[4]  # (s, weight, bias, mean, rstd)
+        dn = torch.randn(normed.shape, generator=torch.Generator().manual_seed(3),
+                         dtype=dtype)
+        grads = torch.autograd.grad(normed, [t for t in (x, r, wl) if t is not None], dn)
+        return normed.detach(), rstd, grads, bool(calls), s.detach()
+
+    blocked = run(3 * 50 * dtype.itemsize, 0)  # blocks of 3 rows
+    whole = run(3 * 50 * dtype.itemsize, 1 << 40)  # (the floor: the whole-tensor passes)
+    assert blocked[3] and not whole[3]
+    assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
+    assert torch.equal(blocked[4], whole[4])  # the residual sum, built block by block
+    for a, b in zip(blocked[2], whole[2], strict=True):
+        assert torch.equal(a, b)
+    s64 = x0.double() + (r0.double() if with_residual else 0)
+    eps = torch.finfo(dtype).eps
+    ref = s64 * torch.rsqrt(s64.square().mean(-1, keepdim=True) + eps)
+    ref = ref * w.double() if affine else ref
+    assert_close(blocked[0], ref, dtype)
+
+
 @pytest.mark.parametrize("offset", [1e4, 1e5])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_add_norm_large_offset_within_1e_4_of_float64(kind, offset):
