@@ -34,6 +34,9 @@ CASES = {
     "in-cl": (lambda: normkit.InstanceNorm2d(6, affine=True), "channels_last"),
     "in3d-cl": (lambda: normkit.InstanceNorm3d(6, affine=True), "channels_last"),
     "gn-cl": (lambda: normkit.GroupNorm(3, 6), "channels_last"),
+    # one group (timm's GroupNorm1): its pooled sums broadcast over every channel; the
+    # engine once wrote them in place through a stride-0 view (RuntimeError)
+    "gn1-cl": (lambda: normkit.GroupNorm(1, 6), "channels_last"),
 }
 
 

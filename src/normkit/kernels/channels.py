@@ -87,6 +87,9 @@ class Pool(NamedTuple):
         >>> Pool("group", 2).sum(torch.arange(8.0).view(2, 4))
         tensor([[ 1.,  1.,  5.,  5.],
                 [ 9.,  9., 13., 13.]])
+        >>> Pool("group", 1).sum(torch.ones(2, 3)).div_(3)  # (a tensor of its own)
+        tensor([[1., 1., 1.],
+                [1., 1., 1.]])
     """
 
     kind: str
@@ -100,8 +103,10 @@ class Pool(NamedTuple):
         if self.kind == "instance":
             return t
         n, c = t.shape
+        # (contiguous: with one group the reshape is a view of the broadcast sums, whose
+        # in-place use by the callers would write one value through many elements)
         return t.view(n, self.groups, -1).sum(2, keepdim=True).expand(
-            n, self.groups, c // self.groups).reshape(n, c)
+            n, self.groups, c // self.groups).reshape(n, c).contiguous()
 
     def count(self, x: Tensor) -> int:
         """Number of elements in each group of ``x``."""
