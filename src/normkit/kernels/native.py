@@ -54,7 +54,8 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "batch_norm_train_stats",
            "batch_norm_stats", "batch_norm_moments", "batch_norm_eval", "kernel_dtypes",
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
-           "instance_norm", "layer_norm2d_nchw", "reference_grads"]
+           "instance_norm", "layer_norm2d_nchw", "reference_grads", "layer_norm_params",
+           "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -123,8 +124,156 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     """
     if not _plain_dense(x) or not kernel_dtypes(x, weight, bias):
         return None
+    if x.dtype in _HALF:
+        return _layer_norm_16bit(x, shape, weight, bias, eps)
     y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
     return y if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]) else None
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def layer_norm_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
+                      bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """The weight and bias to hand torch's LayerNorm kernel for ``x``: as given, except
+    for float16/bfloat16 ``x``, where they are float32 (a float32 unit weight where none
+    is given). The kernel returns its statistics in the parameters' dtype: 16-bit
+    parameters, or none, round the mean and ``rstd`` to 16 bits, and a backward from
+    those rounded statistics is off by ``|mean| / std`` times the rounding (5e-2 at
+    ``|mean| / std`` 30 in bfloat16). The output is the same: 16-bit parameters are
+    exact in float32.
+
+    Example:
+        >>> x = torch.randn(4, 8, dtype=torch.bfloat16)
+        >>> w, b = layer_norm_params(x, (8,), None, None)
+        >>> w.dtype, bool((w == 1).all()), b
+        (torch.float32, True, None)
+    """
+    if x.dtype not in _HALF:
+        return weight, bias
+    if weight is None:
+        weight = torch.ones(shape, dtype=torch.float32, device=x.device)
+    return weight.float(), None if bias is None else bias.float()
+
+
+#: Bytes of float32 rows per block in :func:`layer_norm_backward` of 16-bit input.
+HALF_BACKWARD_BLOCK_BYTES = 2 << 20
+
+
+def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Tensor,
+                        rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
+                        mask: list[bool]) -> tuple[Tensor | None, ...]:
+    """torch's LayerNorm backward kernel, ``(dx, dweight, dbias)`` as ``mask`` asks, for
+    contiguous ``x`` and its statistics from the forward kernel.
+
+    float16/bfloat16 ``x``: torch's 16-bit kernel gives ``dx`` (from float32 statistics
+    and weight, as :func:`layer_norm_params` hands the forward), but it accumulates the
+    weight and bias gradients in 16 bits, so their error grows with the rows -- relative
+    to the largest gradient, bfloat16 1.6e-2 at 256 rows, 5.7e-2 at 4096 x 768, 1.4e-1 at
+    16384 x 256 (up to 1.9e-1 with an offset), float16 2.2e-3 to 1.7e-2, against
+    normkit's per-dtype gradient tolerances of 4e-2 and 5e-3 (measured on torch 2.13;
+    ``tests/test_dispatch_fuzz.py`` found it). Those two come from torch's float32 kernel
+    instead, a block of rows of about :data:`HALF_BACKWARD_BLOCK_BYTES` at a time (each
+    block upcast into a reused buffer, the partial sums added in float32): 2e-7 to 8e-7.
+
+    Example:
+        >>> x, dy = torch.randn(6, 8).bfloat16(), torch.randn(6, 8).bfloat16()
+        >>> w, b = layer_norm_params(x, (8,), None, None)
+        >>> y, mean, rstd = torch.native_layer_norm(x, (8,), w, b, 1e-5)
+        >>> dx, dw, _ = layer_norm_backward(dy, x, (8,), mean, rstd, w, b, [True, True, False])
+        >>> dx.dtype, dw.dtype
+        (torch.bfloat16, torch.float32)
+    """
+    if x.dtype not in _HALF:
+        return tuple(_ATEN.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias,
+                                                      mask))
+    k = 1
+    for size in shape:
+        k *= size
+    m = x.numel() // k
+    rows, g = x.reshape(m, k), dy.reshape(m, k)
+    mean, rstd = mean.reshape(m, 1).float(), rstd.reshape(m, 1).float()
+    w, b = layer_norm_params(x, (k,), None if weight is None else weight.reshape(k),
+                             None if bias is None else bias.reshape(k))
+    need_w, need_b = mask[1] and weight is not None, mask[2] and bias is not None
+    dx = dw = db = None
+    if mask[0]:
+        dx = _ATEN.native_layer_norm_backward(g, rows, (k,), mean, rstd, w, b,
+                                              [True, False, False])[0].view(x.shape)
+    if need_w:
+        dw, db = _layer_norm_param_grads(g, rows, mean, rstd, w, b, need_b)
+    elif need_b:
+        db = torch.sum(g, 0, dtype=torch.float32)
+    return (dx, None if dw is None else dw.view(weight.shape).to(weight.dtype),
+            None if db is None else db.view(bias.shape).to(bias.dtype))
+
+
+def _layer_norm_param_grads(g: Tensor, rows: Tensor, mean: Tensor, rstd: Tensor, w: Tensor,
+                            b: Tensor | None, need_b: bool) -> tuple[Tensor, Tensor | None]:
+    """LayerNorm's float32 weight (and bias) gradients of 16-bit ``(M, K)`` rows: torch's
+    float32 kernel a block of rows at a time (:func:`layer_norm_backward`)."""
+    m, k = rows.shape
+    step = min(m, max(1, HALF_BACKWARD_BLOCK_BYTES // (4 * k)))
+    g32 = torch.empty(step, k, dtype=torch.float32, device=rows.device)
+    x32 = torch.empty_like(g32)
+    dw = torch.zeros(k, dtype=torch.float32, device=rows.device)
+    db = torch.zeros_like(dw) if need_b else None
+    for start in range(0, m, step):
+        end = min(m, start + step)
+        gb, xb = g32[:end - start], x32[:end - start]
+        gb.copy_(g[start:end])
+        xb.copy_(rows[start:end])
+        _, pw, pb = _ATEN.native_layer_norm_backward(
+            gb, xb, (k,), mean[start:end], rstd[start:end], w, b, [False, True, need_b])
+        dw.add_(pw)
+        if need_b:
+            db.add_(pb)
+    return dw, db
+
+
+class _LayerNorm16Function(torch.autograd.Function):
+    """LayerNorm of 16-bit input from torch's kernel's output and float32 statistics;
+    backward by :func:`layer_norm_backward` (see :func:`_layer_norm_16bit`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, out, mean, rstd, shape, eps):
+        ctx.shape, ctx.eps = shape, eps
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return out[0]  # (passed in a tuple: a fresh tensor, not an input of the node)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: differentiate torch's composite
+            shape, eps = ctx.shape, ctx.eps
+
+            def reference(x, w, b):
+                return torch.nn.functional.layer_norm(
+                    x.float(), shape, None if w is None else w.float(),
+                    None if b is None else b.float(), eps).to(x.dtype)
+
+            grads = reference_grads(reference, (x, weight, bias), needs, dy)
+        else:
+            grads = layer_norm_backward(dy, x, ctx.shape, mean, rstd, weight, bias,
+                                        list(needs))
+        return (*grads, None, None, None, None, None)
+
+
+def _layer_norm_16bit(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
+                      bias: Tensor | None, eps: float) -> Tensor | None:
+    """:func:`layer_norm` of float16/bfloat16 ``x``: torch's forward kernel with float32
+    parameters (:func:`layer_norm_params`: float32 statistics) under the same ratio
+    bound, and an accurate backward (:func:`layer_norm_backward`)."""
+    w, b = layer_norm_params(x, shape, weight, bias)
+    with torch.no_grad():
+        y, mean, rstd = torch.native_layer_norm(x, shape, w, b, eps)
+    if not well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias)):
+        return _LayerNorm16Function.apply(x, weight, bias, (y,), mean, rstd, shape, eps)
+    return y
 
 
 #: Most values per channel for which torch's channels-last (and 2D) training-mode

@@ -360,7 +360,9 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
     if center:
         y = None
         if use_native and native.kernel_dtypes(s, weight, bias):  # (16-bit s too)
-            y, mean, rstd = torch.native_layer_norm(s, shape, weight, bias, eps)
+            # (16-bit s: float32 parameters, so that the statistics come back in float32)
+            w_kernel, b_kernel = native.layer_norm_params(s, shape, weight, bias)
+            y, mean, rstd = torch.native_layer_norm(s, shape, w_kernel, b_kernel, eps)
             if not native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
                 y = mean = rstd = None
         if y is None:  # compensated statistics (normkit's core), recomputed in backward
@@ -475,7 +477,8 @@ class _AddNormFunction(torch.autograd.Function):
                 ds = ds.add_(dres)
         elif ctx.center:
             mask = [True, need_w, need_b]
-            ds, dw, db = _ATEN.native_layer_norm_backward(
+            # (16-bit s in float32 blocks: torch's 16-bit kernel sums dweight in 16 bits)
+            ds, dw, db = native.layer_norm_backward(
                 dnormed.to(s.dtype), s, ctx.shape, mean, rstd, weight, bias, mask)
             if dres is not None:
                 ds.add_(dres)
