@@ -1,0 +1,400 @@
+"""Differential fuzzing of the CPU dispatch under ``backend="auto"``.
+
+normkit picks among torch's kernels, the slice-sums engine, blocked and folded sums, the
+fused nodes and the compensated core by size, layout, dtype, thread count and the data's
+``|mean| / std`` (thresholds at 2^18 elements, 8192 and 131072 values per channel, 512
+positions, 64 MiB, the ratio bounds ...). The other tests check each path on shapes
+chosen for it; this one draws mid-size inputs *across* those thresholds -- in every
+layout a user hands over (contiguous, channels-last, strided views), at offsets on both
+sides of the ratio bounds, at one and two threads -- and checks the output, the running
+statistics and every gradient against float64 references written here, with the per-dtype
+tolerances of ``oracle.py``. Whatever path serves a draw, it must be as accurate as the
+others.
+
+``HYPOTHESIS_PROFILE=explore`` (conftest.py) searches with fresh examples, and
+``NORMKIT_FUZZ_EXAMPLES`` sets how many a run draws (CI: the default below).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from unittest import mock
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from oracle import GRAD_TOL, TOL, normalize64
+
+import normkit
+
+EXAMPLES = int(os.environ.get("NORMKIT_FUZZ_EXAMPLES", "60"))
+
+#: Spatial sizes around the thresholds: prime position counts (no fold), 7x7 and 14x14
+#: (small images), 32x32 and 56x56 (past 512 positions, folded sums), and sizes that put
+#: a batch's values per channel on either side of 8192.
+SPATIAL = [(7, 7), (13, 11), (14, 14), (17, 31), (32, 32), (45, 91), (56, 56), (64, 64)]
+#: |mean| / std of the drawn data: centered, inside the engine's and kernels' bounds,
+#: just past them, and far past (the compensated core).
+RATIOS = [0.0, 1.0, 1.9, 2.6, 40.0, 3e3]
+LAYOUTS = ["contiguous", "channels_last", "batch_strided", "channel_strided"]
+ACTS = ["relu", "leaky_relu", "elu", "silu", "gelu", "identity"]
+MAX_ELEMENTS = 1 << 21
+
+
+def _act64(name: str, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The activation in float64. At ReLU's and LeakyReLU's kink the side is the one the
+    layer's own output ``out`` took: a pre-activation within rounding of zero may fall
+    either way (a 16-bit output is rounded by ~4e-3), and the two sides' derivatives
+    differ by the whole upstream gradient there."""
+    if name == "relu":
+        return torch.where(out > 0, y, 0.0)
+    if name == "leaky_relu":
+        return torch.where(out >= 0, y, 0.01 * y)
+    if name == "elu":
+        return torch.nn.functional.elu(y)
+    if name == "silu":
+        return torch.nn.functional.silu(y)
+    if name == "gelu":
+        return torch.nn.functional.gelu(y)
+    return y
+
+
+def _view(p, ndim):
+    return None if p is None else p.view((1, -1) + (1,) * (ndim - 2))
+
+
+@st.composite
+def image_batches(draw):
+    """``(shape, layout)`` of a 4D batch at most :data:`MAX_ELEMENTS` elements."""
+    h, w = draw(st.sampled_from(SPATIAL))
+    c = draw(st.sampled_from([1, 3, 8, 16, 32, 64]))
+    n = draw(st.sampled_from([1, 2, 3, 4, 8, 16, 32]))
+    while n > 1 and n * c * h * w > MAX_ELEMENTS:
+        n //= 2
+    if n * c * h * w > MAX_ELEMENTS:
+        c = max(1, MAX_ELEMENTS // (n * h * w))
+    return (n, c, h, w), draw(st.sampled_from(LAYOUTS))
+
+
+@st.composite
+def row_batches(draw):
+    """``(shape, layout)`` of a ``(rows, width)`` or ``(B, T, width)`` batch."""
+    k = draw(st.sampled_from([1, 33, 256, 768, 1024, 4096]))
+    rows = draw(st.sampled_from([1, 7, 64, 256, 1024, 4096]))
+    while rows > 1 and rows * k > MAX_ELEMENTS:
+        rows //= 2
+    shape = (rows, k) if draw(st.booleans()) or rows % 4 else (4, rows // 4, k)
+    return shape, draw(st.sampled_from(["contiguous", "batch_strided", "transposed"]))
+
+
+def _make_input(shape, layout, dtype, ratio, gen):
+    """float64 data of std ~1 and per-channel (dim 1) offsets ``ratio * U(0.7, 1.3)``,
+    rounded to ``dtype`` and laid out as asked (a strided layout is a view into a larger
+    buffer)."""
+    full = list(shape)
+    if layout == "batch_strided":
+        full[0] *= 2
+    elif layout == "channel_strided":
+        full[1] *= 2
+    elif layout == "transposed":
+        full[0], full[1] = full[1], full[0]
+    base = torch.randn(full, generator=gen, dtype=torch.float64)
+    offsets = ratio * (0.7 + 0.6 * torch.rand(full[1], generator=gen, dtype=torch.float64))
+    sign = torch.where(torch.rand(full[1], generator=gen) < 0.5, -1.0, 1.0).double()
+    base = base + _view(offsets * sign, len(full))
+    x = base.to(dtype)
+    if layout == "batch_strided":
+        x = x[::2]
+    elif layout == "channel_strided":
+        x = x[:, ::2]
+    elif layout == "transposed":
+        x = x.transpose(0, 1)
+    elif layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    assert tuple(x.shape) == tuple(shape)
+    return x
+
+
+def _randomize(module, gen):
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        if getattr(module, "running_mean", None) is not None:
+            module.running_mean.copy_(torch.randn(module.running_mean.shape, generator=gen))
+            module.running_var.copy_(torch.rand(module.running_var.shape, generator=gen) + 0.5)
+
+
+def _params64(module):
+    return {name: p.detach().double().requires_grad_() for name, p in module.named_parameters()}
+
+
+def _check(actual, expected, dtype, what):
+    """The output check of oracle.assert_close, with a message naming the draw."""
+    tol = TOL[dtype]
+    torch.testing.assert_close(actual.detach().double(), expected.detach().double(),
+                               equal_nan=True, msg=lambda m: f"{what}: {m}", **tol)
+
+
+def _check_grad(actual, expected, dtype, what, terms=1):
+    """oracle.assert_grad_close's bound, relative to the largest reference value -- or,
+    for a parameter's gradient, a sum of ``terms`` products of O(1) values, to
+    ``sqrt(terms)``, the size such a sum has before it cancels (a float32 sum of 65520
+    terms that cancel to -0.84 is off by ~3e-4 in torch's kernels as in any other)."""
+    scale = max(1.0, float(expected.abs().max()), terms ** 0.5) if expected.numel() else 1.0
+    err = float((actual.double() - expected).abs().max()) if expected.numel() else 0.0
+    assert err <= GRAD_TOL[dtype] * scale, f"{what}: max error {err:.3e} (scale {scale:.3e})"
+
+
+def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None):
+    """Forward and backward of ``module`` against ``reference(x64, params64)``; both take
+    the same upstream gradient. ``inputs`` are the tensors fed to the module (default
+    ``(x,)``); ``reference`` receives their float64 copies."""
+    inputs = (x,) if inputs is None else inputs
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = module(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    leaves64 = [t.detach().double().requires_grad_() for t in inputs]
+    refs = reference(*leaves64, params64, outs[0].detach())
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    gen = torch.Generator().manual_seed(11)
+    # (the upstream gradient in the output's dtype, as the layer receives it)
+    grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).double()
+             for o in outs]
+    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
+        _check(o, r, dtype, f"{what} output {i}")
+        assert o.shape == r.shape
+    torch.autograd.backward(list(outs), [g.to(o.dtype) for o, g in zip(outs, grads, strict=True)])
+    torch.autograd.backward(list(refs), grads)
+    for i, (t, t64) in enumerate(zip(leaves, leaves64, strict=True)):
+        _check_grad(t.grad, t64.grad, dtype, f"{what} input {i} grad")
+    for name, p in module.named_parameters():
+        _check_grad(p.grad, params64[name].grad, dtype, f"{what} {name} grad",
+                    terms=outs[0].numel() // max(1, p.numel()))
+    if extra is not None:
+        extra()
+
+
+def _settings():
+    return settings(max_examples=EXAMPLES, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+#: The speed rules (size floors and block sizes, not accuracy bounds), lowered so that
+#: every fast path and every blocked loop runs on the drawn sizes.
+FAST_EVERYWHERE = {
+    "normkit.functional": {"SMALL_ROWS_COMPOSITE_BELOW": (0, 0)},
+    "normkit.norms.fused": {"RMS_CHUNK_MIN_BYTES": 0, "RMS_CHUNK_BYTES": 1 << 12,
+                            "FUSED_ACT_MIN_ELEMENTS": 0},
+    "normkit.kernels.native": {"HALF_BACKWARD_BLOCK_BYTES": 1 << 12,
+                               "EVAL_INPUT_GRAD_MIN_ELEMENTS": 0,
+                               "EVAL_PER_SLICE_MIN_ELEMENTS": 0,
+                               "BATCH_NORM_EVAL_ADDCMUL_MIN_ELEMENTS": 0,
+                               "LAYER_NORM2D_MIN_ELEMENTS": 0,
+                               "LAYER_NORM2D_MIN_POSITIONS": (0, 0),
+                               "LAYER_NORM2D_MIN_POSITIONS_INFERENCE": (0, 0)},
+    "normkit.kernels.channels": {"MIN_ELEMENTS": 0, "GROUP_NORM_MIN_POSITIONS": 0,
+                                 "COLUMN_BLOCK_BYTES": 1 << 12},
+    "normkit.kernels.memory": {"MIN_BYTES": 1 << 16},
+}
+
+
+@contextlib.contextmanager
+def _conditions(n_threads: int, fast_everywhere: bool):
+    """``n_threads`` intra-op threads and, if asked, :data:`FAST_EVERYWHERE`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n_threads)
+    with contextlib.ExitStack() as stack:
+        if fast_everywhere:
+            for module, values in FAST_EVERYWHERE.items():
+                stack.enter_context(mock.patch.multiple(module, **values))
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+
+DTYPES = st.sampled_from([torch.float32] * 6 + [torch.float64, torch.bfloat16, torch.float16])
+
+
+def _16bit_draws(dtype, ratio, data):
+    """``(ratio, parameter dtype)``: 16-bit input takes float32 parameters
+    (``torch.autocast``'s case) or its own dtype, and at most 40 std of offset (at 3000
+    a bfloat16 sample is nearly constant)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return ratio, dtype
+    return min(ratio, 40.0), data.draw(st.sampled_from([torch.float32, dtype]))
+
+
+@_settings()
+@given(batch=image_batches(), ratio=st.sampled_from(RATIOS), dtype=DTYPES,
+       n_threads=st.sampled_from([1, 2]), fast_everywhere=st.booleans(),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_image_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywhere, seed,
+                                    data):
+    """BatchNorm2d (training and eval, either running variance), BatchNormAct2d (both
+    memory modes), InstanceNorm2d, GroupNorm, GroupNormAct and LayerNorm2d on one drawn
+    batch."""
+    with _conditions(n_threads, fast_everywhere):
+        _image_case(batch, ratio, dtype, n_threads, seed, data)
+
+
+def _image_case(batch, ratio, dtype, n_threads, seed, data):
+    shape, layout = batch
+    n, c = shape[:2]
+    gen = torch.Generator().manual_seed(seed)
+    ratio, param_dtype = _16bit_draws(dtype, ratio, data)
+    x = _make_input(shape, layout, dtype, ratio, gen)
+    kind = data.draw(st.sampled_from(["batch_norm", "batch_norm_eval", "batch_norm_act",
+                                      "instance_norm", "group_norm", "group_norm_act",
+                                      "layer_norm2d"]))
+    what = (f"{kind} {tuple(shape)} {layout} {dtype} (parameters {param_dtype}) ratio "
+            f"{ratio} threads {n_threads}")
+    dims = (0, 2, 3)
+    if kind in ("batch_norm", "batch_norm_eval", "batch_norm_act"):
+        if kind != "batch_norm_eval" and n * shape[2] * shape[3] == 1:
+            return  # one value per channel: torch's error case (test_bad_input covers it)
+        act = data.draw(st.sampled_from(ACTS)) if kind == "batch_norm_act" else None
+        memory = "standard"
+        if act in ("leaky_relu", "elu", "identity"):
+            memory = data.draw(st.sampled_from(["standard", "inplace"]))
+        unbiased = data.draw(st.booleans())
+        module = (normkit.BatchNorm2d(c) if act is None else
+                  normkit.BatchNormAct2d(c, act=act, memory=memory))
+        module.unbiased_running_var = unbiased
+        _randomize(module, gen)
+        module = module.to(param_dtype)
+        training = kind != "batch_norm_eval"
+        module.train(training)
+        rm0, rv0 = module.running_mean.clone().double(), module.running_var.clone().double()
+        what += f" act {act} memory {memory} unbiased {unbiased}"
+
+        def reference(x64, p, out):
+            if training:
+                y = normalize64(x64, dims, _view(p["weight"], 4), _view(p["bias"], 4),
+                                module.eps)
+            else:
+                y = (x64 - _view(rm0, 4)) / torch.sqrt(_view(rv0, 4) + module.eps)
+                y = y * _view(p["weight"], 4) + _view(p["bias"], 4)
+            return y if act is None else _act64(act, y, out)
+
+        def running():
+            if not training:
+                assert torch.equal(module.running_mean.double(), rm0), what
+                return
+            x64 = x.double()
+            count = x64.numel() // c
+            mean = x64.mean(dims)
+            var = x64.var(dims, correction=1 if unbiased and count > 1 else 0)
+            # 16-bit buffers: torch's own update rounds each of its three steps (up to
+            # 2.2 ulps off, as normkit's)
+            rtol = {torch.float64: 1e-9, torch.float32: 2e-5}.get(
+                param_dtype, 3 * torch.finfo(param_dtype).eps)
+            torch.testing.assert_close(module.running_mean.double(), 0.9 * rm0 + 0.1 * mean,
+                                       rtol=rtol, atol=rtol, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(module.running_var.double(), 0.9 * rv0 + 0.1 * var,
+                                       rtol=rtol, atol=rtol * (1 + ratio * ratio),
+                                       msg=lambda m: f"{what}: {m}")
+
+        _run(module, x, reference, _params64(module), dtype, what, extra=running)
+        return
+    if kind == "instance_norm":
+        module = normkit.InstanceNorm2d(c, affine=True)
+
+        def reference(x64, p, out):
+            return normalize64(x64, (2, 3), _view(p["weight"], 4), _view(p["bias"], 4),
+                               module.eps)
+    elif kind in ("group_norm", "group_norm_act"):
+        groups = data.draw(st.sampled_from([g for g in (1, 2, 4, 8, 32, c) if c % g == 0]))
+        act = data.draw(st.sampled_from(ACTS)) if kind == "group_norm_act" else None
+        if n * c // groups * shape[2] * shape[3] == 1:
+            return
+        module = (normkit.GroupNorm(groups, c) if act is None else
+                  normkit.GroupNormAct(groups, c, act=act))
+        what += f" groups {groups} act {act}"
+
+        def reference(x64, p, out):
+            xg = x64.unflatten(1, (groups, c // groups))
+            y = normalize64(xg, (2, 3, 4), None, None, module.eps).flatten(1, 2)
+            y = y * _view(p["weight"], 4) + _view(p["bias"], 4)
+            return y if act is None else _act64(act, y, out)
+    else:
+        module = normkit.LayerNorm2d(c)
+
+        def reference(x64, p, out):
+            return normalize64(x64, (1,), _view(p["weight"], 4), _view(p["bias"], 4),
+                               module.eps)
+    _randomize(module, gen)
+    module = module.to(param_dtype)
+    _run(module, x, reference, _params64(module), dtype, what)
+
+
+@_settings()
+@given(batch=row_batches(), ratio=st.sampled_from(RATIOS), dtype=DTYPES,
+       n_threads=st.sampled_from([1, 2]), fast_everywhere=st.booleans(),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_row_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywhere, seed,
+                                  data):
+    """LayerNorm, RMSNorm, AddLayerNorm, AddRMSNorm and BatchNorm1d (over rows) on one
+    drawn batch of rows."""
+    with _conditions(n_threads, fast_everywhere):
+        _row_case(batch, ratio, dtype, n_threads, seed, data)
+
+
+def _row_case(batch, ratio, dtype, n_threads, seed, data):
+    shape, layout = batch
+    k = shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    ratio, param_dtype = _16bit_draws(dtype, ratio, data)
+    kind = data.draw(st.sampled_from(["layer_norm", "rms_norm", "add_layer_norm",
+                                      "add_rms_norm", "batch_norm1d"]))
+    # offsets per row (LayerNorm's groups) or, for BatchNorm1d, per channel (the last dim)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    groups = (k,) if kind == "batch_norm1d" else shape[:-1] + (1,)
+    x = (x + ratio * (0.7 + 0.6 * torch.rand(groups, generator=gen, dtype=torch.float64))
+         ).to(dtype)
+    if layout == "batch_strided":  # every other row of a buffer twice the size
+        x = torch.stack([x, torch.zeros_like(x)], 1).flatten(0, 1)[::2]
+    elif layout == "transposed":  # (T, B, D) memory seen batch-first, or column-major rows
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    what = (f"{kind} {tuple(shape)} {layout} {dtype} (parameters {param_dtype}) ratio "
+            f"{ratio} threads {n_threads}")
+    rms = kind in ("rms_norm", "add_rms_norm")
+    eps = data.draw(st.sampled_from([None, 1e-6])) if rms else 1e-5
+    eps64 = eps if eps is not None else torch.finfo(
+        torch.float64 if dtype == torch.float64 else torch.float32).eps
+    if kind == "batch_norm1d":
+        if x.dim() != 2 or shape[0] == 1:
+            return
+        module = normkit.BatchNorm1d(k)
+
+        def reference(x64, p, out):
+            return normalize64(x64, (0,), p["weight"], p["bias"], module.eps)
+    elif kind in ("layer_norm", "rms_norm"):
+        module = normkit.LayerNorm(k) if not rms else normkit.RMSNorm(k, eps=eps)
+
+        def reference(x64, p, out):
+            return normalize64(x64, (-1,), p["weight"], p.get("bias"), eps64, center=not rms)
+    else:
+        module = normkit.AddLayerNorm(k) if not rms else normkit.AddRMSNorm(k, eps=eps)
+        residual = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(dtype)
+
+        def reference(x64, r64, p, out):
+            # the new residual is rounded to the residual stream's dtype, and the norm
+            # sees the rounded sum (its rounding, ~6e-5 of a value near 1000 in
+            # float32, is the caller's precision, not the norm's error)
+            s = x64 + r64
+            s = s + ((x + residual).double() - s).detach()
+            return normalize64(s, (-1,), p["weight"], p.get("bias"), eps64,
+                               center=not rms), s
+
+        _randomize(module, gen)
+        module = module.to(param_dtype)
+        _run(module, x, reference, _params64(module), dtype, what, inputs=(x, residual))
+        return
+    _randomize(module, gen)
+    module = module.to(param_dtype)
+    _run(module, x, reference, _params64(module), dtype, what)
