@@ -49,8 +49,8 @@ def _act64(name: str, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     differ by the whole upstream gradient there."""
     if name == "relu":
         return torch.where(out > 0, y, 0.0)
-    if name == "leaky_relu":
-        return torch.where(out >= 0, y, 0.01 * y)
+    if name == "leaky_relu":  # (out > 0 exactly where y > 0; a -0.0 out is y's side < 0)
+        return torch.where(out > 0, y, 0.01 * y)
     if name == "elu":
         return torch.nn.functional.elu(y)
     if name == "silu":
@@ -398,3 +398,194 @@ def _row_case(batch, ratio, dtype, n_threads, seed, data):
     _randomize(module, gen)
     module = module.to(param_dtype)
     _run(module, x, reference, _params64(module), dtype, what)
+
+
+@st.composite
+def other_batches(draw):
+    """``(kind, shape, layout)`` for the layers and ranks the two tests above leave out."""
+    kind = draw(st.sampled_from([
+        "batch_norm1d_3d", "batch_norm3d", "instance_norm3d", "group_norm_5d",
+        "instance_norm_running", "batch_renorm", "frozen_batch_norm",
+        "batch_norm_cumulative", "batch_norm_act_rows", "layer_norm_2dims",
+        "rms_norm_2dims"]))
+    n = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    c = draw(st.sampled_from([1, 3, 8, 32]))
+    if kind in ("batch_norm3d", "instance_norm3d", "group_norm_5d"):
+        spatial = draw(st.sampled_from([(2, 7, 7), (4, 14, 14), (8, 16, 16), (3, 17, 13)]))
+        layouts = ["contiguous", "channels_last_3d", "batch_strided"]
+    elif kind in ("batch_norm1d_3d", "layer_norm_2dims", "rms_norm_2dims"):
+        spatial = (draw(st.sampled_from([7, 64, 500, 4096])),)
+        layouts = ["contiguous", "transposed", "batch_strided"]
+    elif kind == "batch_norm_act_rows":  # 2D rows on either side of 8192
+        n, spatial = draw(st.sampled_from([64, 4096, 8193, 20000])), ()
+        layouts = ["contiguous", "batch_strided"]
+    else:
+        spatial = draw(st.sampled_from(SPATIAL))
+        layouts = LAYOUTS
+    shape = (n, c, *spatial)
+    while n > 1 and torch.Size(shape).numel() > MAX_ELEMENTS:
+        n //= 2
+        shape = (n, c, *spatial)
+    return kind, shape, draw(st.sampled_from(layouts))
+
+
+def _other_input(shape, layout, dtype, ratio, gen):
+    """:func:`_make_input` for any rank: ``channels_last_3d`` and ``transposed`` (the
+    ``(N, L, C)`` memory of a sequence seen as ``(N, C, L)``) too."""
+    if layout == "channels_last_3d":
+        x = _make_input(shape, "contiguous", dtype, ratio, gen)
+        return x.contiguous(memory_format=torch.channels_last_3d)
+    if layout == "transposed":
+        x = _make_input(shape, "contiguous", dtype, ratio, gen)
+        return x.transpose(1, -1).contiguous().transpose(1, -1)
+    return _make_input(shape, layout, dtype, ratio, gen)
+
+
+@_settings()
+@given(batch=other_batches(), ratio=st.sampled_from(RATIOS), dtype=DTYPES,
+       n_threads=st.sampled_from([1, 2]), fast_everywhere=st.booleans(),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_other_layers_and_ranks_match_float64(batch, ratio, dtype, n_threads,
+                                              fast_everywhere, seed, data):
+    """BatchNorm1d on ``(N, C, L)``, BatchNorm3d, InstanceNorm3d and GroupNorm on 5D input
+    (channels_last_3d too), InstanceNorm with running statistics, Batch Renormalization
+    past its warm-up, FrozenBatchNorm2d, BatchNorm with a cumulative average
+    (``momentum=None``), BatchNormAct1d on 2D rows around 8192, LayerNorm and RMSNorm over
+    two trailing dims."""
+    with _conditions(n_threads, fast_everywhere):
+        _other_case(batch, ratio, dtype, n_threads, seed, data)
+
+
+def _other_case(batch, ratio, dtype, n_threads, seed, data):
+    kind, shape, layout = batch
+    n, c = shape[:2]
+    gen = torch.Generator().manual_seed(seed)
+    ratio, param_dtype = _16bit_draws(dtype, ratio, data)
+    x = _other_input(shape, layout, dtype, ratio, gen)
+    nd = x.dim()
+    what = (f"{kind} {tuple(shape)} {layout} {dtype} (parameters {param_dtype}) ratio "
+            f"{ratio} threads {n_threads}")
+    spatial = tuple(range(2, nd))
+    per_channel = (0, *spatial)
+    count = x.numel() // c
+    if kind in ("batch_norm1d_3d", "batch_norm3d", "batch_norm_cumulative",
+                "batch_norm_act_rows", "batch_renorm"):
+        if count <= 1:
+            return
+        act = data.draw(st.sampled_from(ACTS)) if kind == "batch_norm_act_rows" else None
+        if kind == "batch_norm_act_rows":
+            module = normkit.BatchNormAct1d(c, act=act)
+        elif kind == "batch_renorm":
+            module = normkit.BatchRenorm2d(c, warmup_steps=0, r_max_steps=1, d_max_steps=1)
+        else:
+            module = {2: normkit.BatchNorm1d, 3: normkit.BatchNorm1d, 4: normkit.BatchNorm2d,
+                      5: normkit.BatchNorm3d}[nd](
+                c, momentum=None if kind == "batch_norm_cumulative" else 0.1)
+        _randomize(module, gen)
+        module = module.to(param_dtype)
+        if kind == "batch_renorm":
+            module.num_batches_tracked.fill_(5)  # past the warm-up: limits (3, 5)
+        elif kind == "batch_norm_cumulative":
+            module.num_batches_tracked.fill_(3)  # the fourth batch: factor 1/4
+        rm0, rv0 = module.running_mean.clone().double(), module.running_var.clone().double()
+        factor = 0.25 if kind == "batch_norm_cumulative" else 0.1
+
+        def reference(x64, p, out):
+            y = normalize64(x64, per_channel, None, None, module.eps)
+            if kind == "batch_renorm":  # r and d from the batch, gradients stopped
+                mean = x64.detach().mean(per_channel)
+                std = torch.sqrt(x64.detach().var(per_channel, correction=0) + module.eps)
+                sigma = torch.sqrt(rv0 + module.eps)
+                r = (std / sigma).clamp(1 / 3.0, 3.0)
+                d = ((mean - rm0) / sigma).clamp(-5.0, 5.0)
+                y = y * _view(r, nd) + _view(d, nd)
+            y = y * _view(p["weight"], nd) + _view(p["bias"], nd)
+            return y if act is None else _act64(act, y, out)
+
+        def running():
+            x64 = x.double()
+            want_mean = (1 - factor) * rm0 + factor * x64.mean(per_channel)
+            want_var = (1 - factor) * rv0 + factor * x64.var(per_channel, correction=1)
+            rtol = {torch.float64: 1e-9, torch.float32: 2e-5}.get(
+                param_dtype, 3 * torch.finfo(param_dtype).eps)
+            torch.testing.assert_close(module.running_mean.double(), want_mean, rtol=rtol,
+                                       atol=rtol, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(module.running_var.double(), want_var, rtol=rtol,
+                                       atol=rtol * (1 + ratio * ratio),
+                                       msg=lambda m: f"{what}: {m}")
+
+        _run(module, x, reference, _params64(module), dtype, what, extra=running)
+        return
+    extra = None
+    if kind in ("instance_norm3d", "instance_norm_running"):
+        if x[0, 0].numel() <= 1:
+            return
+        tracked = kind == "instance_norm_running"
+        cls = {3: normkit.InstanceNorm1d, 4: normkit.InstanceNorm2d,
+               5: normkit.InstanceNorm3d}[nd]
+        module = cls(c, affine=True, track_running_stats=tracked)
+        training = not tracked or data.draw(st.booleans())
+        _randomize(module, gen)
+        module = module.to(param_dtype).train(training)
+        if tracked:
+            rm0, rv0 = module.running_mean.clone().double(), module.running_var.clone().double()
+
+        def reference(x64, p, out):
+            if training:
+                y = normalize64(x64, spatial, None, None, module.eps)
+            else:
+                y = (x64 - _view(rm0, nd)) / torch.sqrt(_view(rv0, nd) + module.eps)
+            return y * _view(p["weight"], nd) + _view(p["bias"], nd)
+
+        if tracked and training:
+            def extra():  # torch's rule: the per-instance statistics averaged over N
+                x64 = x.double()
+                want_mean = 0.9 * rm0 + 0.1 * x64.mean(spatial).mean(0)
+                want_var = 0.9 * rv0 + 0.1 * x64.var(spatial, correction=1).mean(0)
+                rtol = {torch.float64: 1e-9, torch.float32: 2e-5}.get(
+                    param_dtype, 3 * torch.finfo(param_dtype).eps)
+                torch.testing.assert_close(module.running_mean.double(), want_mean,
+                                           rtol=rtol, atol=rtol, msg=lambda m: f"{what}: {m}")
+                torch.testing.assert_close(module.running_var.double(), want_var,
+                                           rtol=rtol, atol=rtol * (1 + ratio * ratio),
+                                           msg=lambda m: f"{what}: {m}")
+    elif kind == "group_norm_5d":
+        groups = data.draw(st.sampled_from([g for g in (1, 2, 4, 8, c) if c % g == 0]))
+        if x[0].numel() // groups <= 1:
+            return
+        module = normkit.GroupNorm(groups, c)
+        _randomize(module, gen)
+        module = module.to(param_dtype)
+
+        def reference(x64, p, out):
+            xg = x64.unflatten(1, (groups, c // groups))
+            y = normalize64(xg, tuple(range(2, nd + 1)), None, None, module.eps).flatten(1, 2)
+            return y * _view(p["weight"], nd) + _view(p["bias"], nd)
+    elif kind == "frozen_batch_norm":
+        module = normkit.FrozenBatchNorm2d(c).to(param_dtype)
+        with torch.no_grad():
+            module.weight.copy_(torch.rand(c, generator=gen) + 0.5)
+            module.bias.copy_(torch.randn(c, generator=gen))
+            module.running_mean.copy_(torch.randn(c, generator=gen) + ratio)
+            module.running_var.copy_(torch.rand(c, generator=gen) + 0.5)
+        buffers = {k: getattr(module, k).double() for k in
+                   ("weight", "bias", "running_mean", "running_var")}
+
+        def reference(x64, p, out):
+            b = buffers
+            y = (x64 - _view(b["running_mean"], nd)) / torch.sqrt(
+                _view(b["running_var"], nd) + module.eps)
+            return y * _view(b["weight"], nd) + _view(b["bias"], nd)
+    else:  # LayerNorm / RMSNorm over the last two dims of (N, C, L)
+        rms = kind == "rms_norm_2dims"
+        shape2 = tuple(shape[-2:])
+        module = normkit.RMSNorm(shape2) if rms else normkit.LayerNorm(shape2)
+        _randomize(module, gen)
+        module = module.to(param_dtype)
+        eps64 = module.eps if module.eps is not None else torch.finfo(
+            torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+        def reference(x64, p, out):
+            return normalize64(x64, (-2, -1), p["weight"], p.get("bias"), eps64,
+                               center=not rms)
+    _run(module, x, reference, _params64(module), dtype, what, extra=extra)

@@ -305,12 +305,15 @@ def batch_norm(
                 fast = channels.normalize(input, weight, bias, channels.Pool("batch"), eps,
                                           _reference(dims, view, eps))
         if fast is None and backend == "auto" and not compiling():
-            if unbiased_running_var:  # (torch's kernel updates the buffers itself)
+            if unbiased_running_var and not native.half_statistics(input, weight, bias):
+                # (torch's kernel updates the buffers itself)
                 y = native.batch_norm_train(input, running_mean, running_var, weight, bias,
                                             momentum, eps)
                 if y is not None:
                     return y
-            else:  # the biased running variance: the buffers from the kernel's statistics
+            else:  # the biased running variance, or 16-bit input without float32
+                # parameters (float32 statistics then, for buffers of another dtype): the
+                # buffers from the kernel's statistics
                 fast = native.batch_norm_train_stats(input, weight, bias, eps)
         if fast is not None:
             y, mean, var = fast
@@ -735,8 +738,9 @@ def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
         kernel = not many and channels.wide(x, weight, bias)
     if kernel:
         n, c = x.shape[:2]
-        y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(),
-                                                groups, eps)
+        w, b = native.kernel_params(x, (c,), weight, bias)  # (float32 statistics)
+        y, mean, rstd = torch.native_group_norm(x, w, b, n, c, x.shape[2:].numel(), groups,
+                                                eps)
         return y if native.well_conditioned(mean, rstd, channels.RATIO) else None
     if not many or not channels.supports(x, weight, bias):
         return None

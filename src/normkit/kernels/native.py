@@ -54,7 +54,8 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "batch_norm_train_stats",
            "batch_norm_stats", "batch_norm_moments", "batch_norm_eval", "kernel_dtypes",
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
-           "instance_norm", "layer_norm2d_nchw", "reference_grads", "layer_norm_params",
+           "instance_norm", "layer_norm2d_nchw", "reference_grads", "kernel_params",
+           "half_statistics",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
@@ -133,19 +134,22 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def layer_norm_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
-                      bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
-    """The weight and bias to hand torch's LayerNorm kernel for ``x``: as given, except
-    for float16/bfloat16 ``x``, where they are float32 (a float32 unit weight where none
-    is given). The kernel returns its statistics in the parameters' dtype: 16-bit
-    parameters, or none, round the mean and ``rstd`` to 16 bits, and a backward from
-    those rounded statistics is off by ``|mean| / std`` times the rounding (5e-2 at
-    ``|mean| / std`` 30 in bfloat16). The output is the same: 16-bit parameters are
-    exact in float32.
+def kernel_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
+                  bias: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """The weight and bias to hand torch's LayerNorm, BatchNorm or GroupNorm kernel for
+    ``x`` (``shape``: the weight's): as given, except for float16/bfloat16 ``x``, where
+    they are float32 (a float32 unit weight where none is given; converted with
+    ``.float()``, so gradients still reach 16-bit parameters). The kernels return their
+    statistics in the parameters' dtype, and with 16-bit parameters, or none, they
+    round the mean and ``1 / std`` to 16 bits and normalize with the rounded values:
+    off by ``|mean| / std`` times the rounding, e.g. at ``|mean| / std`` 30 in
+    bfloat16 BatchNorm's output 0.11 and GroupNorm's 0.030 against 0.016 with float32
+    parameters, and a backward from such statistics 5e-2 (LayerNorm's ``dweight``).
+    16-bit parameters are exact in float32, so the output is otherwise the same.
 
     Example:
         >>> x = torch.randn(4, 8, dtype=torch.bfloat16)
-        >>> w, b = layer_norm_params(x, (8,), None, None)
+        >>> w, b = kernel_params(x, (8,), None, None)
         >>> w.dtype, bool((w == 1).all()), b
         (torch.float32, True, None)
     """
@@ -154,6 +158,20 @@ def layer_norm_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     if weight is None:
         weight = torch.ones(shape, dtype=torch.float32, device=x.device)
     return weight.float(), None if bias is None else bias.float()
+
+
+def half_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """Whether torch's kernels would return 16-bit statistics for ``x`` with these
+    parameters (16-bit ``x`` without float32 ones): then :func:`kernel_params` should
+    stand in for them.
+
+    Example:
+        >>> x = torch.randn(2, 3).half()
+        >>> half_statistics(x, None, None), half_statistics(x, torch.ones(3), None)
+        (True, False)
+    """
+    return x.dtype in _HALF and (weight is None or weight.dtype != torch.float32 or (
+        bias is not None and bias.dtype != torch.float32))
 
 
 #: Bytes of float32 rows per block in :func:`layer_norm_backward` of 16-bit input.
@@ -167,7 +185,7 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
     contiguous ``x`` and its statistics from the forward kernel.
 
     float16/bfloat16 ``x``: torch's 16-bit kernel gives ``dx`` (from float32 statistics
-    and weight, as :func:`layer_norm_params` hands the forward), but it accumulates the
+    and weight, as :func:`kernel_params` hands the forward), but it accumulates the
     weight and bias gradients in 16 bits, so their error grows with the rows -- relative
     to the largest gradient, bfloat16 1.6e-2 at 256 rows, 5.7e-2 at 4096 x 768, 1.4e-1 at
     16384 x 256 (up to 1.9e-1 with an offset), float16 2.2e-3 to 1.7e-2, against
@@ -178,7 +196,7 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
 
     Example:
         >>> x, dy = torch.randn(6, 8).bfloat16(), torch.randn(6, 8).bfloat16()
-        >>> w, b = layer_norm_params(x, (8,), None, None)
+        >>> w, b = kernel_params(x, (8,), None, None)
         >>> y, mean, rstd = torch.native_layer_norm(x, (8,), w, b, 1e-5)
         >>> dx, dw, _ = layer_norm_backward(dy, x, (8,), mean, rstd, w, b, [True, True, False])
         >>> dx.dtype, dw.dtype
@@ -193,7 +211,7 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
     m = x.numel() // k
     rows, g = x.reshape(m, k), dy.reshape(m, k)
     mean, rstd = mean.reshape(m, 1).float(), rstd.reshape(m, 1).float()
-    w, b = layer_norm_params(x, (k,), None if weight is None else weight.reshape(k),
+    w, b = kernel_params(x, (k,), None if weight is None else weight.reshape(k),
                              None if bias is None else bias.reshape(k))
     need_w, need_b = mask[1] and weight is not None, mask[2] and bias is not None
     dx = dw = db = None
@@ -263,9 +281,9 @@ class _LayerNorm16Function(torch.autograd.Function):
 def _layer_norm_16bit(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
                       bias: Tensor | None, eps: float) -> Tensor | None:
     """:func:`layer_norm` of float16/bfloat16 ``x``: torch's forward kernel with float32
-    parameters (:func:`layer_norm_params`: float32 statistics) under the same ratio
+    parameters (:func:`kernel_params`: float32 statistics) under the same ratio
     bound, and an accurate backward (:func:`layer_norm_backward`)."""
-    w, b = layer_norm_params(x, shape, weight, bias)
+    w, b = kernel_params(x, shape, weight, bias)
     with torch.no_grad():
         y, mean, rstd = torch.native_layer_norm(x, shape, w, b, eps)
     if not well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
@@ -340,9 +358,9 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
         (True, True)
     """
     threshold = _bn_threshold(x, training=True)
-    if (threshold is None or x.dtype not in _FLOATS
+    if (threshold is None or x.dtype not in _FLOATS or half_statistics(x, weight, bias)
             or not kernel_dtypes(x, running_mean, running_var, weight, bias)):
-        return None
+        return None  # (16-bit statistics: batch_norm_train_stats, with float32 ones)
     saved = [t.clone() if t is not None else None for t in (running_mean, running_var)]
     y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var,
                                               True, momentum, eps)
@@ -378,6 +396,7 @@ def batch_norm_train_stats(x: Tensor, weight: Tensor | None, bias: Tensor | None
     threshold = _bn_threshold(x, training=True)
     if threshold is None or x.dtype not in _FLOATS or not kernel_dtypes(x, weight, bias):
         return None
+    weight, bias = kernel_params(x, x.shape[1:2], weight, bias)  # (16-bit x: float32 stats)
     y, mean, invstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
     if not well_conditioned(mean, invstd, threshold):
         return None
@@ -470,6 +489,7 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     if not _plain_dense(x) or x.dim() < 3 or not kernel_dtypes(x, weight, bias):
         return None
     n, c = x.shape[:2]
+    weight, bias = kernel_params(x, (c,), weight, bias)  # (16-bit x: float32 statistics)
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(), c, eps)
     if not well_conditioned(mean, rstd, THRESHOLDS["group_norm"]):
         return None
@@ -667,6 +687,7 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
         return None
     n, c = x.shape[:2]
     hxw = x.shape[2:].numel() if x.dim() > 2 else 1
+    weight, bias = kernel_params(x, (c,), weight, bias)  # (16-bit x: float32 statistics)
     y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hxw, num_groups, eps)
     return y if well_conditioned(mean, rstd, THRESHOLDS["group_norm"]) else None
 

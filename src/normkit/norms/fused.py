@@ -361,7 +361,7 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
         y = None
         if use_native and native.kernel_dtypes(s, weight, bias):  # (16-bit s too)
             # (16-bit s: float32 parameters, so that the statistics come back in float32)
-            w_kernel, b_kernel = native.layer_norm_params(s, shape, weight, bias)
+            w_kernel, b_kernel = native.kernel_params(s, shape, weight, bias)
             y, mean, rstd = torch.native_layer_norm(s, shape, w_kernel, b_kernel, eps)
             if not native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
                 y = mean = rstd = None
@@ -906,17 +906,16 @@ def _fast_batch_norm_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | None
     """:func:`_fast_batch_norm` of float16/bfloat16 input: torch's fused kernel under
     BatchNorm's bound and counts for 16-bit input (``native.CHANNELS_LAST_MAX_COUNT_16BIT``:
     its float32 sums stay far under the output's rounding), without the buffers, which
-    are then updated once from its statistics. A float32 unit weight stands in for a
-    missing one, so that the statistics come back in float32 (the kernel's mixed-dtype
-    path) rather than rounded to 16 bits; with 16-bit parameters they are 16-bit, as in
-    torch's own BatchNorm."""
+    are then updated once from its statistics. The kernel gets float32 parameters (a
+    unit weight for a missing one: ``native.kernel_params``), so that its statistics
+    come back in float32 (the kernel's mixed-dtype path) rather than rounded to 16 bits,
+    as torch's own BatchNorm with 16-bit parameters leaves them (its output 0.11 off at
+    ``|mean| / std`` 30 in bfloat16)."""
     threshold = native._bn_threshold(x, training=True)
     if threshold is None or not native.kernel_dtypes(x, weight, bias):
         return None
-    unit = (torch.ones(x.shape[1], dtype=torch.float32, device=x.device)
-            if weight is None and (bias is None or bias.dtype == torch.float32) else None)
-    y, mean, invstd = torch.native_batch_norm(x, weight if unit is None else unit, bias,
-                                              None, None, True, 0.0, eps)
+    w, b = native.kernel_params(x, x.shape[1:2], weight, bias)  # (float32 statistics)
+    y, mean, invstd = torch.native_batch_norm(x, w, b, None, None, True, 0.0, eps)
     if not native.well_conditioned(mean, invstd, threshold):
         return None
     mean, invstd = mean.detach(), invstd.detach()
@@ -1072,8 +1071,10 @@ def _bn_act_backward(ctx, dz, mask):
         c = x.shape[1]
         return channels.backward(dy, x, mean.view(1, c), invstd.view(1, c), weight,
                                  channels.Pool("batch"), mask)
-    return _ATEN.native_batch_norm_backward(dy, x, weight, None, None, mean, invstd, True,
-                                            ctx.eps, mask)
+    # (16-bit x: the float32 statistics of _fast_batch_norm_16bit with a float32 weight)
+    w = weight if weight is None else native.kernel_params(x, x.shape[1:2], weight, None)[0]
+    return _param_dtypes(_ATEN.native_batch_norm_backward(dy, x, w, None, None, mean, invstd,
+                                                          True, ctx.eps, mask), weight, bias)
 
 
 def _inplace_abn_backward(ctx, dz, mask):
@@ -1258,9 +1259,9 @@ def _group_norm_for_act(x, weight, bias, groups, eps, use_native, for_backward=T
             for_backward or x.shape[2:].numel() < channels.GROUP_NORM_MIN_POSITIONS)
         path = "native-nchw" if copy else "native"
         kernel_layout = layout if path == "native" else None
+        w, b = native.kernel_params(x, (c,), weight, bias)  # (16-bit x: float32 statistics)
         y, mean, rstd = torch.native_group_norm(x if kernel_layout else x.contiguous(),
-                                                weight, bias, n, c, x.numel() // (n * c),
-                                                groups, eps)
+                                                w, b, n, c, x.numel() // (n * c), groups, eps)
         bound = channels.RATIO if kernel_layout else native.THRESHOLDS["group_norm"]
         if not native.well_conditioned(mean, rstd, bound):
             y = mean = rstd = None
@@ -1326,14 +1327,27 @@ class _GroupNormActFunction(torch.autograd.Function):
             dy = act.backward(dz, z, y)
             if ctx.path in ("native", "native-nchw"):
                 layout = F._channels_last_format(x) if ctx.path == "native" else None
-                grads = _ATEN.native_group_norm_backward(
+                w = weight if weight is None else native.kernel_params(x, (c,), weight,
+                                                                       None)[0]
+                grads = _param_dtypes(_ATEN.native_group_norm_backward(
                     dy.contiguous(memory_format=layout or torch.contiguous_format),
-                    x if layout else x.contiguous(), mean, rstd, weight, n, c,
-                    x.numel() // (n * c), groups, mask)
+                    x if layout else x.contiguous(), mean, rstd, w, n, c,
+                    x.numel() // (n * c), groups, mask), weight, bias)
             else:
                 grads = channels.backward(dy, x, mean, rstd, weight,
                                           channels.Pool("group", groups), mask)
         return (*grads, None, None, None, None)
+
+
+def _param_dtypes(grads, weight: Tensor | None, bias: Tensor | None) -> tuple:
+    """``(dx, dweight, dbias)`` with the parameter gradients in their parameters' dtypes
+    (a kernel given float32 stand-ins for 16-bit parameters returns float32 ones)."""
+    dx, dw, db = grads
+    if dw is not None and weight is not None:
+        dw = dw.to(weight.dtype)
+    if db is not None and bias is not None:
+        db = db.to(bias.dtype)
+    return dx, dw, db
 
 
 def _grouped(x: Tensor, groups: int) -> Tensor:
