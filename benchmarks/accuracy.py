@@ -16,8 +16,16 @@ kernel may serve (:data:`normkit.kernels.native.CHANNELS_LAST_BACKWARD_MAX_COUNT
 gradient errors by values per channel, beside the slice-sums engine's, from the same
 accurate statistics.
 
+``--sixteen-bit`` measures float16/bfloat16 input: torch's LayerNorm backward kernel sums
+the weight and bias gradients in 16 bits, and torch's BatchNorm and GroupNorm kernels,
+given 16-bit parameters, normalize with statistics rounded to 16 bits; the table gives the
+output, input-gradient and weight-gradient errors of torch.nn and normkit (relative to the
+largest reference value, as the tests measure gradients) by shape, parameter dtype and
+offset.
+
 Run: ``python benchmarks/accuracy.py [--json FILE]``, ``python benchmarks/accuracy.py
---counts`` or ``python benchmarks/accuracy.py --backward-counts``
+--counts``, ``python benchmarks/accuracy.py --backward-counts`` or ``python
+benchmarks/accuracy.py --sixteen-bit``
 """
 
 from __future__ import annotations
@@ -196,6 +204,75 @@ def channels_last_backward_counts(counts=BACKWARD_COUNTS, ratios=BACKWARD_RATIOS
     return rows
 
 
+#: ``--sixteen-bit``: (layer, shape) pairs, offsets (|mean| / std).
+SIXTEEN_BIT_CASES = (("LayerNorm", (4096, 768)), ("LayerNorm", (16384, 256)),
+                     ("BatchNorm2d", (8, 256, 14, 14)), ("GroupNorm (8 groups)", (8, 256, 14, 14)))
+SIXTEEN_BIT_OFFSETS = (0.0, 30.0)
+
+
+def _sixteen_bit_modules(layer: str, channels: int) -> tuple[nn.Module, nn.Module]:
+    if layer == "LayerNorm":
+        return normkit.LayerNorm(channels), nn.LayerNorm(channels)
+    if layer == "BatchNorm2d":
+        return normkit.BatchNorm2d(channels), nn.BatchNorm2d(channels)
+    return normkit.GroupNorm(8, channels), nn.GroupNorm(8, channels)
+
+
+def sixteen_bit(seed: int = 0) -> list[dict]:
+    """Output, input-gradient and weight-gradient errors vs float64 of torch.nn and
+    normkit on float16/bfloat16 input, parameters float32 (autocast's case) or of the
+    input's dtype (``model.half()``), centered and at 30 std of offset. Output: max
+    absolute error; gradients: relative to the reference's largest magnitude (at least
+    1)."""
+    rows = []
+    for layer, shape in SIXTEEN_BIT_CASES:
+        channels = shape[-1] if layer == "LayerNorm" else shape[1]
+        for dtype in (torch.bfloat16, torch.float16):
+            for params in ("float32", "same"):
+                for offset in SIXTEEN_BIT_OFFSETS:
+                    gen = torch.Generator().manual_seed(seed)
+                    x = (torch.randn(shape, generator=gen, dtype=torch.float64) + offset
+                         ).to(dtype)
+                    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+                    ours, theirs = _sixteen_bit_modules(layer, channels)
+                    with torch.no_grad():
+                        ours.weight.copy_(torch.rand(channels, generator=gen) + 0.5)
+                        ours.bias.copy_(torch.randn(channels, generator=gen))
+                    theirs.load_state_dict(ours.state_dict())
+                    reference = _sixteen_bit_modules(layer, channels)[1].double()
+                    reference.load_state_dict(ours.state_dict())
+                    x64 = x.double().requires_grad_()
+                    exact = reference(x64)
+                    exact.backward(dy.double())
+                    row = {"layer": layer, "shape": "x".join(map(str, shape)),
+                           "dtype": str(dtype).removeprefix("torch."), "params": params,
+                           "offset": offset}
+                    pdtype = torch.float32 if params == "float32" else dtype
+                    for who, module in (("torch", theirs), ("normkit", ours)):
+                        module = module.to(pdtype)
+                        xr = x.detach().requires_grad_()
+                        y = module(xr)
+                        y.backward(dy)
+                        row[who] = float((y.detach().double() - exact.detach()).abs().max())
+                        row[who + "_dx"] = _grad_error(xr.grad, x64.grad)
+                        row[who + "_dw"] = _grad_error(module.weight.grad,
+                                                       reference.weight.grad)
+                    rows.append(row)
+    return rows
+
+
+def sixteen_bit_markdown(rows: list[dict]) -> str:
+    lines = ["| layer | shape | input | parameters | offset | torch output | torch dx "
+             "| torch dweight | normkit output | normkit dx | normkit dweight |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['shape']} | {r['dtype']} | {r['params']} "
+                     f"| {r['offset']:g} | {r['torch']:.1e} | {r['torch_dx']:.1e} "
+                     f"| {r['torch_dw']:.1e} | {r['normkit']:.1e} | {r['normkit_dx']:.1e} "
+                     f"| {r['normkit_dw']:.1e} |")
+    return "\n".join(lines)
+
+
 def backward_counts_markdown(rows: list[dict]) -> str:
     lines = ["| values per channel | torch dx | torch dweight | torch dbias | normkit dx "
              "| normkit dweight | normkit dbias |", "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -233,8 +310,21 @@ def main() -> None:
                         help="channels-last BatchNorm error by values per channel instead")
     parser.add_argument("--backward-counts", action="store_true",
                         help="channels-last BatchNorm gradient error by values per channel")
+    parser.add_argument("--sixteen-bit", action="store_true",
+                        help="float16/bfloat16 input: torch.nn and normkit against float64")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.sixteen_bit:
+        rows = sixteen_bit(args.seed)
+        print(f"torch {torch.__version__}, training mode, 1 thread; output: max absolute "
+              "error, gradients: max error relative to the largest reference magnitude (at "
+              "least 1); the per-dtype test tolerances are 1.6e-2 + 1.6e-2 |y| and 4e-2 "
+              "(bfloat16), 2e-3 + 2e-3 |y| and 5e-3 (float16)\n")
+        print(sixteen_bit_markdown(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.backward_counts:
         rows = channels_last_backward_counts()
         print(f"torch {torch.__version__}, channels-last BatchNorm2d backward (training, "

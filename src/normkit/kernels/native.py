@@ -142,10 +142,12 @@ def kernel_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     ``.float()``, so gradients still reach 16-bit parameters). The kernels return their
     statistics in the parameters' dtype, and with 16-bit parameters, or none, they
     round the mean and ``1 / std`` to 16 bits and normalize with the rounded values:
-    off by ``|mean| / std`` times the rounding, e.g. at ``|mean| / std`` 30 in
-    bfloat16 BatchNorm's output 0.11 and GroupNorm's 0.030 against 0.016 with float32
-    parameters, and a backward from such statistics 5e-2 (LayerNorm's ``dweight``).
-    16-bit parameters are exact in float32, so the output is otherwise the same.
+    off by ``|mean| / std`` times the rounding. At 30 std of offset, bfloat16
+    8x256x14x14 (``benchmarks/accuracy.py --sixteen-bit``, ACCURACY.md): torch's
+    BatchNorm output 1.0e-1 off and its weight gradient 3.7e-2, GroupNorm's weight
+    gradient 1.5e-2 (float16 5.1e-3, over its 5e-3 tolerance), against 2.8e-2 and
+    2.0e-3 with float32 statistics. 16-bit parameters are exact in float32, so the
+    output is otherwise the same.
 
     Example:
         >>> x = torch.randn(4, 8, dtype=torch.bfloat16)
@@ -186,13 +188,15 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
 
     float16/bfloat16 ``x``: torch's 16-bit kernel gives ``dx`` (from float32 statistics
     and weight, as :func:`kernel_params` hands the forward), but it accumulates the
-    weight and bias gradients in 16 bits, so their error grows with the rows -- relative
-    to the largest gradient, bfloat16 1.6e-2 at 256 rows, 5.7e-2 at 4096 x 768, 1.4e-1 at
-    16384 x 256 (up to 1.9e-1 with an offset), float16 2.2e-3 to 1.7e-2, against
-    normkit's per-dtype gradient tolerances of 4e-2 and 5e-3 (measured on torch 2.13;
-    ``tests/test_dispatch_fuzz.py`` found it). Those two come from torch's float32 kernel
-    instead, a block of rows of about :data:`HALF_BACKWARD_BLOCK_BYTES` at a time (each
-    block upcast into a reused buffer, the partial sums added in float32): 2e-7 to 8e-7.
+    weight and bias gradients in 16 bits, so their error grows with the rows -- ``dweight``
+    relative to the largest gradient (``benchmarks/accuracy.py --sixteen-bit``, torch
+    2.13), bfloat16 9.1e-2 to 1.3e-1 at 4096 x 768 and 2.2e-1 to 3.2e-1 at 16384 x 256,
+    float16 1.0e-2 to 3.3e-2, against normkit's per-dtype gradient tolerances of 4e-2
+    and 5e-3 (``tests/test_dispatch_fuzz.py`` found it). Those two come from torch's
+    float32 kernel instead, a block of rows of about :data:`HALF_BACKWARD_BLOCK_BYTES` at
+    a time (each block upcast into a reused buffer, the partial sums added in float32):
+    1.7e-7 to 1.5e-6 with float32 parameters; with 16-bit ones the gradient's own
+    rounding, 1.9e-3 to 2.7e-3 (bfloat16) and 2.3e-4 to 3.5e-4 (float16).
 
     Example:
         >>> x, dy = torch.randn(6, 8).bfloat16(), torch.randn(6, 8).bfloat16()

@@ -506,8 +506,9 @@ class _BatchRenormForward(_BatchNormForward):
         (``backend="eager"``/``"reference"``, accelerators, ill-conditioned data), with
         ``mean_lo`` the part of the batch mean its rounding to ``mean`` dropped. 16-bit
         input is normalized in float32: ``xhat`` rounded to 16 bits before the corrected
-        affine would cost that rounding times the affine's scale, where ``d`` cancels
-        most of the output (3e-3 at an output of 0.14 in float16)."""
+        affine would cost that rounding times the affine's scale where ``d`` cancels
+        most of the output (``tests/test_numerics.py``,
+        ``test_batch_renorm_16bit_robust_path_rounds_only_its_output``)."""
         if x.dtype in (torch.float16, torch.bfloat16):
             x = x.float()  # (differentiable: the gradient reaches the 16-bit input)
         xhat, mean, var = normalize(x, dims, None, None, self.eps, backend=self.backend)

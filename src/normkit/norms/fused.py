@@ -909,8 +909,8 @@ def _fast_batch_norm_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | None
     are then updated once from its statistics. The kernel gets float32 parameters (a
     unit weight for a missing one: ``native.kernel_params``), so that its statistics
     come back in float32 (the kernel's mixed-dtype path) rather than rounded to 16 bits,
-    as torch's own BatchNorm with 16-bit parameters leaves them (its output 0.11 off at
-    ``|mean| / std`` 30 in bfloat16)."""
+    as torch's own BatchNorm with 16-bit parameters leaves them (its output 1.0e-1 off
+    at ``|mean| / std`` 30 in bfloat16: ``benchmarks/accuracy.py --sixteen-bit``)."""
     threshold = native._bn_threshold(x, training=True)
     if threshold is None or not native.kernel_dtypes(x, weight, bias):
         return None
