@@ -346,3 +346,40 @@ def test_batch_renorm_16bit_robust_path_rounds_only_its_output(dtype):
     r = std.clamp(1 / 3, 3)  # (sigma = 1)
     ref = ((x64 - mean) / std * r + mean.clamp(-5, 5)) * 4.0 - 28.0
     assert_close(y, ref, dtype)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape", [(4, 6, 5, 5), (8, 6, 32, 32)], ids=["small", "engine"])
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm", "group_norm_act"])
+def test_bias_without_weight_has_gradients(op, shape, layout):
+    """The functional API takes a bias without a weight; torch's GroupNorm backward kernel
+    raises on it ("tensor does not have a device", also for torch.nn.functional's own
+    group_norm), so normkit hands its kernels a unit weight there."""
+    from oracle import normalize64
+
+    from normkit import functional as NF
+    from normkit.norms import fused
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).float()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    b = torch.randn(6, generator=gen).requires_grad_()
+    if op == "group_norm":
+        y = NF.group_norm(x, 2, None, b)
+    elif op == "instance_norm":
+        y = NF.instance_norm(x, None, None, None, b)
+    else:
+        y = fused.group_norm_act(x, 2, None, b, act="silu")
+    dy = torch.randn(y.shape, generator=gen)
+    y.backward(dy)
+    x64, b64 = x.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    groups = 6 if op == "instance_norm" else 2
+    ref = normalize64(x64.unflatten(1, (groups, 6 // groups)), (2, 3, 4)).flatten(1, 2)
+    ref = ref + b64.view(1, -1, 1, 1)
+    ref = torch.nn.functional.silu(ref) if op == "group_norm_act" else ref
+    ref.backward(dy.double())
+    assert_close(y, ref, torch.float32)
+    assert_grad_close(x.grad, x64.grad, torch.float32, "input grad")
+    assert_grad_close(b.grad, b64.grad, torch.float32, "bias grad")

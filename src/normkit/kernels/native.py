@@ -147,7 +147,8 @@ def kernel_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     BatchNorm output 1.0e-1 off and its weight gradient 3.7e-2, GroupNorm's weight
     gradient 1.5e-2 (float16 5.1e-3, over its 5e-3 tolerance), against 2.8e-2 and
     2.0e-3 with float32 statistics. 16-bit parameters are exact in float32, so the
-    output is otherwise the same.
+    output is otherwise the same. Any dtype: a bias without a weight gets a unit weight
+    (torch's GroupNorm backward kernel raises on a bias without a weight, float32 too).
 
     Example:
         >>> x = torch.randn(4, 8, dtype=torch.bfloat16)
@@ -156,6 +157,10 @@ def kernel_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         (torch.float32, True, None)
     """
     if x.dtype not in _HALF:
+        if weight is None and bias is not None:
+            # (torch's GroupNorm backward kernel fails on a bias without a weight, "tensor
+            # does not have a device": a unit weight of the bias's dtype instead)
+            weight = torch.ones(shape, dtype=bias.dtype, device=x.device)
         return weight, bias
     if weight is None:
         weight = torch.ones(shape, dtype=torch.float32, device=x.device)

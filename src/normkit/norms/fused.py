@@ -1327,8 +1327,7 @@ class _GroupNormActFunction(torch.autograd.Function):
             dy = act.backward(dz, z, y)
             if ctx.path in ("native", "native-nchw"):
                 layout = F._channels_last_format(x) if ctx.path == "native" else None
-                w = weight if weight is None else native.kernel_params(x, (c,), weight,
-                                                                       None)[0]
+                w = native.kernel_params(x, (c,), weight, bias)[0]  # (as the forward's)
                 grads = _param_dtypes(_ATEN.native_group_norm_backward(
                     dy.contiguous(memory_format=layout or torch.contiguous_format),
                     x if layout else x.contiguous(), mean, rstd, w, n, c,
