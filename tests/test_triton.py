@@ -765,3 +765,150 @@ def test_batch_norm_act_takes_the_kernel(training, layout):
     with pytest.raises(ValueError, match="inplace.*no Triton kernel"):
         fused.batch_norm_act(x, None, None, w, b, True, act="leaky_relu", memory="inplace",
                              backend="triton")
+
+
+# ------------------------------------------------------------------- differential fuzz
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+#: Examples per fuzz test (each runs a few interpreted kernels: ~0.2 s on the CPU).
+TRITON_FUZZ_EXAMPLES = int(os.environ.get("NORMKIT_TRITON_FUZZ_EXAMPLES", "15"))
+_FUZZ = settings(max_examples=TRITON_FUZZ_EXAMPLES, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+#: (tiny blocks make the interpreter loop per element: 2 is the smallest drawn)
+_BLOCKS = st.sampled_from([None, 2, 8, 16, 64])
+
+
+def _fuzz_layout(x, layout):
+    """``x`` (float64) as a dense tensor, a transposed one (same shape, another stride
+    order) or a view every other element of dim 0 of a buffer twice the size."""
+    if layout == "transposed" and x.dim() >= 2:
+        return x.transpose(0, -1).contiguous().transpose(0, -1)
+    if layout == "strided":
+        return torch.stack([x, torch.zeros_like(x)], 1).flatten(0, 1)[::2]
+    if layout == "nhwc" and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+def _fuzz_input(data, shape, dtype, layout):
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    offset = data.draw(st.sampled_from([0.0, 0.5, 3.0] + ([1e3] if dtype == F32 else [])))
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + offset
+    return _fuzz_layout(x, layout).to(DEVICE, dtype).requires_grad_()
+
+
+def _fuzz_param(data, n, dtype):
+    if not data.draw(st.booleans()):
+        return None
+    pdtype = data.draw(st.sampled_from([F32, dtype]))
+    return (1.0 + 0.5 * torch.randn(n, dtype=torch.float64)).to(DEVICE, pdtype).requires_grad_()
+
+
+def _fuzz_check(y, yd, inputs, refs, dtype, what, extra=()):
+    """Output and every gradient against float64 (``extra``: more ``(got, want)`` outputs
+    sharing the upstream gradient draw)."""
+    close(y, yd, dtype, f"{what} y")
+    dys = [torch.randn_like(y)] + [torch.randn_like(g) for g, _ in extra]
+    outs, outs_ref = [y] + [g for g, _ in extra], [yd] + [w for _, w in extra]
+    got = grads(outs, inputs, dys)
+    want = grads(outs_ref, refs, [d.double() for d in dys])
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is not None:
+            close(g, w, dtype, f"{what} grad {i}")
+
+
+@_FUZZ
+@given(op=st.sampled_from(["ln", "rms"]), data=st.data())
+def test_fuzz_row_kernels(op, data):
+    """LayerNorm/RMSNorm (with or without a residual) on drawn shapes, widths (primes,
+    1, past a block), blocks, layouts, dtypes and parameter dtypes."""
+    dtype = data.draw(st.sampled_from([F32, F16, BF16]))
+    width = data.draw(st.sampled_from([1, 2, 3, 17, 33, 64, 130]))
+    lead = data.draw(st.sampled_from([(1,), (5,), (13,), (3, 4)]))
+    two_dims = data.draw(st.booleans()) and width % 2 == 0 and width > 2
+    norm_shape = (2, width // 2) if two_dims else (width,)
+    layout = data.draw(st.sampled_from(["dense", "transposed", "strided"]))
+    x = _fuzz_input(data, (*lead, *norm_shape), dtype, layout)
+    n = width
+    w, b = _fuzz_param(data, n, dtype), _fuzz_param(data, n, dtype) if op == "ln" else None
+    w = None if w is None else w.detach().view(norm_shape).requires_grad_()
+    b = None if b is None else b.detach().view(norm_shape).requires_grad_()
+    residual = None
+    if data.draw(st.booleans()):
+        rdtype = data.draw(st.sampled_from([F32, dtype]))
+        residual = _fuzz_input(data, x.shape, rdtype, "dense")
+    block = data.draw(_BLOCKS)
+    what = (f"{op} {tuple(x.shape)} {norm_shape} {layout} {dtype} w {w is not None} "
+            f"residual {None if residual is None else residual.dtype} block {block}")
+    eps = 1e-5
+    if op == "ln":
+        out = tk.layer_norm(x, norm_shape, w, b, eps, residual=residual, block=block)
+    else:
+        out = tk.rms_norm(x, norm_shape, w, eps, residual=residual, block=block)
+    xd, rd, wd, bd = leaves(x, residual, w, b)
+    hd = xd if rd is None else xd + rd
+    if residual is not None:  # the norm sees the new residual as rounded to its dtype
+        hd = hd + (out[1].detach().double() - hd).detach()
+    dims = tuple(range(-len(norm_shape), 0))
+    if op == "ln":
+        yd = F.layer_norm(hd, norm_shape, wd, bd, eps)
+    else:
+        yd = hd * torch.rsqrt(hd.square().mean(dims, keepdim=True) + eps)
+        yd = yd if wd is None else yd * wd
+    if residual is None:
+        _fuzz_check(out, yd, [x, w, b], [xd, wd, bd], dtype, what)
+    else:
+        y, h = out
+        # (the new residual is rounded to its dtype; the interpreter rounds bfloat16 by
+        # truncation, so h is compared, not required bit-equal)
+        _fuzz_check(y, yd, [x, residual, w, b], [xd, rd, wd, bd], dtype, what,
+                    extra=[(h, hd)])
+
+
+@_FUZZ
+@given(op=st.sampled_from(["gn", "bn", "bn-eval"]), data=st.data())
+def test_fuzz_channel_kernels(op, data):
+    """GroupNorm (with SiLU), training BatchNorm and inference BatchNorm on drawn ranks
+    (2D to 5D), channel counts, groups, blocks, layouts (NHWC too), dtypes and parameter
+    dtypes."""
+    dtype = data.draw(st.sampled_from([F32, F16, BF16]))
+    c = data.draw(st.sampled_from([1, 2, 3, 6, 8, 12]))
+    n = data.draw(st.sampled_from([1, 2, 3, 5]))
+    spatial = data.draw(st.sampled_from([(), (7,), (3, 5), (4, 4), (2, 3, 2)]))
+    if op != "gn" and n * torch.Size(spatial).numel() < 2:
+        n = 2  # (BatchNorm needs two values per channel in training)
+    shape = (n, c, *spatial)
+    layout = data.draw(st.sampled_from(["dense", "strided", "transposed"]
+                                       + (["nhwc"] if len(shape) == 4 else [])))
+    x = _fuzz_input(data, shape, dtype, layout)
+    w, b = _fuzz_param(data, c, dtype), _fuzz_param(data, c, dtype)
+    block = data.draw(_BLOCKS)
+    what = f"{op} {shape} {layout} {dtype} affine {w is not None, b is not None} block {block}"
+    xd, wd, bd = leaves(x, w, b)
+    if op == "gn":
+        groups = data.draw(st.sampled_from([g for g in (1, 2, 3, c) if c % g == 0]))
+        act = data.draw(st.sampled_from([None, "identity", "silu"]))
+        if c // groups * torch.Size(spatial).numel() <= 1:
+            return  # one value per group: torch's reference refuses it
+        y = tk.group_norm(x, groups, w, b, 1e-5, act=act, block=block)
+        # (torch's own backward raises on a bias without a weight: a unit one there)
+        unit = torch.ones(c, dtype=torch.float64) if wd is None and bd is not None else wd
+        yd = F.group_norm(xd, groups, unit, bd, 1e-5)
+        yd = F.silu(yd) if act == "silu" else yd
+        what += f" groups {groups} act {act}"
+    elif op == "bn":
+        y, mean, var = tk.batch_norm_train(x, w, b, 1e-5, block=block)
+        dims = (0, *range(2, x.dim()))
+        yd = F.batch_norm(xd, None, None, wd, bd, True, 0.1, 1e-5)
+        close(mean, xd.mean(dims), F32, f"{what} mean")
+        close(var, xd.var(dims, unbiased=False), F32, f"{what} var")
+    else:
+        rm = (torch.randn(c, dtype=torch.float64) + data.draw(st.sampled_from([0.0, 1e3]))
+              ).to(DEVICE, F32)
+        rv = (torch.rand(c, dtype=torch.float64) + 0.5).to(DEVICE, F32)
+        y = tk.batch_norm_eval(x, rm, rv, w, b, 1e-5, block=block)
+        yd = F.batch_norm(xd, rm.double(), rv.double(), wd, bd, False, 0.1, 1e-5)
+    assert y.dtype == dtype and y.shape == x.shape
+    _fuzz_check(y, yd, [x, w, b], [xd, wd, bd], dtype, what)
