@@ -64,6 +64,33 @@ def _view(p, ndim):
     return None if p is None else p.view((1, -1) + (1,) * (ndim - 2))
 
 
+def _affine(y, p, ndim):
+    """``y * weight + bias`` per channel (dim 1) with whichever of the two ``p`` has."""
+    if p.get("weight") is not None:
+        y = y * _view(p["weight"], ndim)
+    if p.get("bias") is not None:
+        y = y + _view(p["bias"], ndim)
+    return y
+
+
+#: Which parameters a layer gets: both, none (``affine=False``), or a weight alone
+#: (``bias=False``) where the layer has that option.
+AFFINE = st.sampled_from(["both", "both", "none", "weight"])
+
+
+def _affine_kwargs(kind: str, affine: str) -> dict:
+    """Constructor arguments for ``affine`` ("weight" falls back to "both" where the
+    layer has no ``bias=False``)."""
+    if kind in ("layer_norm", "layer_norm2d", "add_layer_norm", "rms_norm", "add_rms_norm"):
+        out = {"elementwise_affine": affine != "none"}
+        if affine == "weight" and kind in ("layer_norm", "layer_norm2d", "add_layer_norm"):
+            out["bias"] = False
+        return out
+    if kind in ("group_norm", "group_norm_act"):
+        return {"affine": affine != "none", **({"bias": False} if affine == "weight" else {})}
+    return {"affine": affine != "none"}
+
+
 @st.composite
 def image_batches(draw):
     """``(shape, layout)`` of a 4D batch at most :data:`MAX_ELEMENTS` elements."""
@@ -262,8 +289,9 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data):
         if act in ("leaky_relu", "elu", "identity"):
             memory = data.draw(st.sampled_from(["standard", "inplace"]))
         unbiased = data.draw(st.booleans())
-        module = (normkit.BatchNorm2d(c) if act is None else
-                  normkit.BatchNormAct2d(c, act=act, memory=memory))
+        kw = _affine_kwargs(kind, data.draw(AFFINE))
+        module = (normkit.BatchNorm2d(c, **kw) if act is None else
+                  normkit.BatchNormAct2d(c, act=act, memory=memory, **kw))
         module.unbiased_running_var = unbiased
         _randomize(module, gen)
         module = module.to(param_dtype)
@@ -274,11 +302,10 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data):
 
         def reference(x64, p, out):
             if training:
-                y = normalize64(x64, dims, _view(p["weight"], 4), _view(p["bias"], 4),
-                                module.eps)
+                y = _affine(normalize64(x64, dims, None, None, module.eps), p, 4)
             else:
-                y = (x64 - _view(rm0, 4)) / torch.sqrt(_view(rv0, 4) + module.eps)
-                y = y * _view(p["weight"], 4) + _view(p["bias"], 4)
+                y = _affine((x64 - _view(rm0, 4)) / torch.sqrt(_view(rv0, 4) + module.eps),
+                            p, 4)
             return y if act is None else _act64(act, y, out)
 
         def running():
@@ -301,32 +328,31 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data):
 
         _run(module, x, reference, _params64(module), dtype, what, extra=running)
         return
+    kw = _affine_kwargs(kind, data.draw(AFFINE))
     if kind == "instance_norm":
-        module = normkit.InstanceNorm2d(c, affine=True)
+        module = normkit.InstanceNorm2d(c, **kw)
 
         def reference(x64, p, out):
-            return normalize64(x64, (2, 3), _view(p["weight"], 4), _view(p["bias"], 4),
-                               module.eps)
+            return _affine(normalize64(x64, (2, 3), None, None, module.eps), p, 4)
     elif kind in ("group_norm", "group_norm_act"):
         groups = data.draw(st.sampled_from([g for g in (1, 2, 4, 8, 32, c) if c % g == 0]))
         act = data.draw(st.sampled_from(ACTS)) if kind == "group_norm_act" else None
         if n * c // groups * shape[2] * shape[3] == 1:
             return
-        module = (normkit.GroupNorm(groups, c) if act is None else
-                  normkit.GroupNormAct(groups, c, act=act))
+        module = (normkit.GroupNorm(groups, c, **kw) if act is None else
+                  normkit.GroupNormAct(groups, c, act=act, **kw))
         what += f" groups {groups} act {act}"
 
         def reference(x64, p, out):
             xg = x64.unflatten(1, (groups, c // groups))
             y = normalize64(xg, (2, 3, 4), None, None, module.eps).flatten(1, 2)
-            y = y * _view(p["weight"], 4) + _view(p["bias"], 4)
+            y = _affine(y, p, 4)
             return y if act is None else _act64(act, y, out)
     else:
-        module = normkit.LayerNorm2d(c)
+        module = normkit.LayerNorm2d(c, **kw)
 
         def reference(x64, p, out):
-            return normalize64(x64, (1,), _view(p["weight"], 4), _view(p["bias"], 4),
-                               module.eps)
+            return _affine(normalize64(x64, (1,), None, None, module.eps), p, 4)
     _randomize(module, gen)
     module = module.to(param_dtype)
     _run(module, x, reference, _params64(module), dtype, what)
@@ -366,20 +392,23 @@ def _row_case(batch, ratio, dtype, n_threads, seed, data):
     eps = data.draw(st.sampled_from([None, 1e-6])) if rms else 1e-5
     eps64 = eps if eps is not None else torch.finfo(
         torch.float64 if dtype == torch.float64 else torch.float32).eps
+    kw = _affine_kwargs(kind, data.draw(AFFINE))
     if kind == "batch_norm1d":
         if x.dim() != 2 or shape[0] == 1:
             return
-        module = normkit.BatchNorm1d(k)
+        module = normkit.BatchNorm1d(k, **kw)
 
         def reference(x64, p, out):
-            return normalize64(x64, (0,), p["weight"], p["bias"], module.eps)
+            return normalize64(x64, (0,), p.get("weight"), p.get("bias"), module.eps)
     elif kind in ("layer_norm", "rms_norm"):
-        module = normkit.LayerNorm(k) if not rms else normkit.RMSNorm(k, eps=eps)
+        module = normkit.LayerNorm(k, **kw) if not rms else normkit.RMSNorm(k, eps=eps, **kw)
 
         def reference(x64, p, out):
-            return normalize64(x64, (-1,), p["weight"], p.get("bias"), eps64, center=not rms)
+            return normalize64(x64, (-1,), p.get("weight"), p.get("bias"), eps64,
+                               center=not rms)
     else:
-        module = normkit.AddLayerNorm(k) if not rms else normkit.AddRMSNorm(k, eps=eps)
+        module = (normkit.AddLayerNorm(k, **kw) if not rms else
+                  normkit.AddRMSNorm(k, eps=eps, **kw))
         residual = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(dtype)
 
         def reference(x64, r64, p, out):
@@ -388,7 +417,7 @@ def _row_case(batch, ratio, dtype, n_threads, seed, data):
             # float32, is the caller's precision, not the norm's error)
             s = x64 + r64
             s = s + ((x + residual).double() - s).detach()
-            return normalize64(s, (-1,), p["weight"], p.get("bias"), eps64,
+            return normalize64(s, (-1,), p.get("weight"), p.get("bias"), eps64,
                                center=not rms), s
 
         _randomize(module, gen)
@@ -499,7 +528,7 @@ def _other_case(batch, ratio, dtype, n_threads, seed, data):
                 r = (std / sigma).clamp(1 / 3.0, 3.0)
                 d = ((mean - rm0) / sigma).clamp(-5.0, 5.0)
                 y = y * _view(r, nd) + _view(d, nd)
-            y = y * _view(p["weight"], nd) + _view(p["bias"], nd)
+            y = _affine(y, p, nd)
             return y if act is None else _act64(act, y, out)
 
         def running():
@@ -535,7 +564,7 @@ def _other_case(batch, ratio, dtype, n_threads, seed, data):
                 y = normalize64(x64, spatial, None, None, module.eps)
             else:
                 y = (x64 - _view(rm0, nd)) / torch.sqrt(_view(rv0, nd) + module.eps)
-            return y * _view(p["weight"], nd) + _view(p["bias"], nd)
+            return _affine(y, p, nd)
 
         if tracked and training:
             def extra():  # torch's rule: the per-instance statistics averaged over N
@@ -560,7 +589,7 @@ def _other_case(batch, ratio, dtype, n_threads, seed, data):
         def reference(x64, p, out):
             xg = x64.unflatten(1, (groups, c // groups))
             y = normalize64(xg, tuple(range(2, nd + 1)), None, None, module.eps).flatten(1, 2)
-            return y * _view(p["weight"], nd) + _view(p["bias"], nd)
+            return _affine(y, p, nd)
     elif kind == "frozen_batch_norm":
         module = normkit.FrozenBatchNorm2d(c).to(param_dtype)
         with torch.no_grad():
@@ -586,6 +615,6 @@ def _other_case(batch, ratio, dtype, n_threads, seed, data):
             torch.float64 if dtype == torch.float64 else torch.float32).eps
 
         def reference(x64, p, out):
-            return normalize64(x64, (-2, -1), p["weight"], p.get("bias"), eps64,
+            return normalize64(x64, (-2, -1), p.get("weight"), p.get("bias"), eps64,
                                center=not rms)
     _run(module, x, reference, _params64(module), dtype, what, extra=extra)
