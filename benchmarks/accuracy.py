@@ -261,45 +261,44 @@ def sixteen_bit(seed: int = 0) -> list[dict]:
     return rows
 
 
-def sixteen_bit_markdown(rows: list[dict]) -> str:
-    lines = ["| layer | shape | input | parameters | offset | torch output | torch dx "
-             "| torch dweight | normkit output | normkit dx | normkit dweight |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+def _table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
+    """A Markdown table: one ``(title, key, format)`` per column, text left-aligned and
+    numbers right-aligned."""
+    lines = ["| " + " | ".join(title for title, _, _ in columns) + " |",
+             "|" + "|".join("---" if fmt == "" else "---:" for _, _, fmt in columns) + "|"]
     for r in rows:
-        lines.append(f"| {r['layer']} | {r['shape']} | {r['dtype']} | {r['params']} "
-                     f"| {r['offset']:g} | {r['torch']:.1e} | {r['torch_dx']:.1e} "
-                     f"| {r['torch_dw']:.1e} | {r['normkit']:.1e} | {r['normkit_dx']:.1e} "
-                     f"| {r['normkit_dw']:.1e} |")
+        lines.append("| " + " | ".join(format(r[key], fmt) for _, key, fmt in columns) + " |")
     return "\n".join(lines)
+
+
+def sixteen_bit_markdown(rows: list[dict]) -> str:
+    return _table([("layer", "layer", ""), ("shape", "shape", ""), ("input", "dtype", ""),
+                   ("parameters", "params", ""), ("offset", "offset", "g"),
+                   ("torch output", "torch", ".1e"), ("torch dx", "torch_dx", ".1e"),
+                   ("torch dweight", "torch_dw", ".1e"), ("normkit output", "normkit", ".1e"),
+                   ("normkit dx", "normkit_dx", ".1e"),
+                   ("normkit dweight", "normkit_dw", ".1e")], rows)
 
 
 def backward_counts_markdown(rows: list[dict]) -> str:
-    lines = ["| values per channel | torch dx | torch dweight | torch dbias | normkit dx "
-             "| normkit dweight | normkit dbias |", "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['count']} | {r['torch_dx']:.1e} | {r['torch_dw']:.1e} "
-                     f"| {r['torch_db']:.1e} | {r['normkit_dx']:.1e} | {r['normkit_dw']:.1e} "
-                     f"| {r['normkit_db']:.1e} |")
-    return "\n".join(lines)
+    return _table([("values per channel", "count", "d")]
+                  + [(f"{who} {name}", f"{who}_{key}", ".1e") for who in ("torch", "normkit")
+                     for name, key in (("dx", "dx"), ("dweight", "dw"), ("dbias", "db"))],
+                  rows)
 
 
 def counts_markdown(rows: list[dict]) -> str:
-    lines = ["| values per channel | mean / std | torch max error | normkit max error "
-             "| torch, same values NCHW |", "|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['count']} | {r['ratio']:g} | {r['torch']:.1e} | {r['normkit']:.1e} "
-                     f"| {r['torch_nchw']:.1e} |")
-    return "\n".join(lines)
+    return _table([("values per channel", "count", "d"), ("mean / std", "ratio", "g"),
+                   ("torch max error", "torch", ".1e"), ("normkit max error", "normkit", ".1e"),
+                   ("torch, same values NCHW", "torch_nchw", ".1e")], rows)
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| shape | layer | offset | normkit max error | torch.nn max error "
-             "| normkit input grad | torch.nn input grad |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['shape']} | {r['layer']} | {r['offset']:g} | {r['normkit']:.1e} "
-                     f"| {r['torch']:.1e} | {r['normkit_dx']:.1e} | {r['torch_dx']:.1e} |")
-    return "\n".join(lines)
+    return _table([("shape", "shape", ""), ("layer", "layer", ""), ("offset", "offset", "g"),
+                   ("normkit max error", "normkit", ".1e"),
+                   ("torch.nn max error", "torch", ".1e"),
+                   ("normkit input grad", "normkit_dx", ".1e"),
+                   ("torch.nn input grad", "torch_dx", ".1e")], rows)
 
 
 def main() -> None:
@@ -315,45 +314,35 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.sixteen_bit:
-        rows = sixteen_bit(args.seed)
-        print(f"torch {torch.__version__}, training mode, 1 thread; output: max absolute "
+        _emit(sixteen_bit(args.seed), sixteen_bit_markdown, args.json,
+              f"torch {torch.__version__}, training mode, 1 thread; output: max absolute "
               "error, gradients: max error relative to the largest reference magnitude (at "
               "least 1); the per-dtype test tolerances are 1.6e-2 + 1.6e-2 |y| and 4e-2 "
-              "(bfloat16), 2e-3 + 2e-3 |y| and 5e-3 (float16)\n")
-        print(sixteen_bit_markdown(rows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
-    if args.backward_counts:
-        rows = channels_last_backward_counts()
-        print(f"torch {torch.__version__}, channels-last BatchNorm2d backward (training, "
+              "(bfloat16), 2e-3 + 2e-3 |y| and 5e-3 (float16)")
+    elif args.backward_counts:
+        _emit(channels_last_backward_counts(), backward_counts_markdown, args.json,
+              f"torch {torch.__version__}, channels-last BatchNorm2d backward (training, "
               "affine) from accurate statistics, N x 16 x 64 x 64 float32; max gradient "
               "error relative to the largest reference magnitude (at least 1), over 3 "
               "seeds, |mean| / std 0, 1, 1.9 and upstream gradients of mean 0 and 1, "
-              "1 thread\n")
-        print(backward_counts_markdown(rows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
-    if args.counts:
-        rows = channels_last_counts()
-        print(f"torch {torch.__version__}, channels-last BatchNorm2d (training, no affine), "
-              f"N x 32 x 32 x 32 float32, max error vs float64 over {SEEDS} seeds, 1 thread\n")
-        print(counts_markdown(rows))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
-    rows = measure(args.seed)
-    print(f"torch {torch.__version__}, float32 input, std 1, error vs float64 on the same "
-          "input\n")
-    print(markdown(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+              "1 thread")
+    elif args.counts:
+        _emit(channels_last_counts(), counts_markdown, args.json,
+              f"torch {torch.__version__}, channels-last BatchNorm2d (training, no affine), "
+              f"N x 32 x 32 x 32 float32, max error vs float64 over {SEEDS} seeds, 1 thread")
+    else:
+        _emit(measure(args.seed), markdown, args.json,
+              f"torch {torch.__version__}, float32 input, std 1, error vs float64 on the "
+              "same input")
 
+
+def _emit(rows: list[dict], table, json_path: str | None, header: str) -> None:
+    """Print ``header`` and ``table(rows)``; write ``rows`` to ``json_path`` if given."""
+    print(header + "\n")
+    print(table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 if __name__ == "__main__":
     main()

@@ -247,6 +247,12 @@ def _conditions(n_threads: int, fast_everywhere: bool):
 DTYPES = st.sampled_from([torch.float32] * 6 + [torch.float64, torch.bfloat16, torch.float16])
 
 
+#: What every test draws besides its batch.
+COMMON_DRAWS = {"ratio": st.sampled_from(RATIOS), "dtype": DTYPES,
+                "n_threads": st.sampled_from([1, 2]), "fast_everywhere": st.booleans(),
+                "seed": st.integers(0, 2**16), "data": st.data()}
+
+
 def _16bit_draws(dtype, ratio, data):
     """``(ratio, parameter dtype)``: 16-bit input takes float32 parameters
     (``torch.autocast``'s case) or its own dtype, and at most 40 std of offset (at 3000
@@ -257,9 +263,7 @@ def _16bit_draws(dtype, ratio, data):
 
 
 @_settings()
-@given(batch=image_batches(), ratio=st.sampled_from(RATIOS), dtype=DTYPES,
-       n_threads=st.sampled_from([1, 2]), fast_everywhere=st.booleans(),
-       seed=st.integers(0, 2**16), data=st.data())
+@given(batch=image_batches(), **COMMON_DRAWS)
 def test_image_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywhere, seed,
                                     data):
     """BatchNorm2d (training and eval, either running variance), BatchNormAct2d (both
@@ -359,9 +363,7 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data):
 
 
 @_settings()
-@given(batch=row_batches(), ratio=st.sampled_from(RATIOS), dtype=DTYPES,
-       n_threads=st.sampled_from([1, 2]), fast_everywhere=st.booleans(),
-       seed=st.integers(0, 2**16), data=st.data())
+@given(batch=row_batches(), **COMMON_DRAWS)
 def test_row_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywhere, seed,
                                   data):
     """LayerNorm, RMSNorm, AddLayerNorm, AddRMSNorm and BatchNorm1d (over rows) on one
@@ -471,9 +473,7 @@ def _other_input(shape, layout, dtype, ratio, gen):
 
 
 @_settings()
-@given(batch=other_batches(), ratio=st.sampled_from(RATIOS), dtype=DTYPES,
-       n_threads=st.sampled_from([1, 2]), fast_everywhere=st.booleans(),
-       seed=st.integers(0, 2**16), data=st.data())
+@given(batch=other_batches(), **COMMON_DRAWS)
 def test_other_layers_and_ranks_match_float64(batch, ratio, dtype, n_threads,
                                               fast_everywhere, seed, data):
     """BatchNorm1d on ``(N, C, L)``, BatchNorm3d, InstanceNorm3d and GroupNorm on 5D input
