@@ -383,3 +383,42 @@ def test_bias_without_weight_has_gradients(op, shape, layout):
     assert_close(y, ref, torch.float32)
     assert_grad_close(x.grad, x64.grad, torch.float32, "input grad")
     assert_grad_close(b.grad, b64.grad, torch.float32, "bias grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("ratio", [0.0, 0.9, 1.5], ids=["centered", "under", "past"])
+def test_16bit_batch_norm_statistics_bound(ratio, dtype, monkeypatch):
+    """BatchNorm of 16-bit input with 16-bit parameters keeps torch's kernel (16-bit
+    statistics, its own buffer update) up to native.HALF_STATISTICS_RATIO, and takes
+    float32 statistics past it; both within the per-dtype tolerances, buffers too."""
+    from oracle import normalize64
+
+    import normkit
+    from normkit.kernels import native
+
+    calls = []
+    stats = native.batch_norm_train_stats
+    monkeypatch.setattr(native, "batch_norm_train_stats",
+                        lambda *a: calls.append(1) or stats(*a))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, 10, 10, generator=gen, dtype=torch.float64)
+    x = (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), correction=0, keepdim=True)
+    x = (x + ratio).to(dtype).requires_grad_()
+    module = normkit.BatchNorm2d(16).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(16, generator=gen) + 0.5)
+        module.bias.copy_(torch.randn(16, generator=gen))
+    y = module(x)
+    assert bool(calls) == (ratio > native.HALF_STATISTICS_RATIO), (ratio, calls)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
+    y.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    w64, b64 = (p.detach().double().requires_grad_() for p in (module.weight, module.bias))
+    ref = normalize64(x64, (0, 2, 3), w64.view(1, -1, 1, 1), b64.view(1, -1, 1, 1))
+    ref.backward(dy.double())
+    assert_close(y, ref, dtype)
+    assert_grad_close(x.grad, x64.grad, dtype, "input grad")
+    assert_grad_close(module.weight.grad, w64.grad, dtype, "weight grad")
+    want_var = 0.9 + 0.1 * x64.detach().var((0, 2, 3), correction=1)
+    torch.testing.assert_close(module.running_var.double(), want_var,
+                               rtol=3 * torch.finfo(dtype).eps, atol=0.0)

@@ -305,15 +305,15 @@ def batch_norm(
                 fast = channels.normalize(input, weight, bias, channels.Pool("batch"), eps,
                                           _reference(dims, view, eps))
         if fast is None and backend == "auto" and not compiling():
-            if unbiased_running_var and not native.half_statistics(input, weight, bias):
-                # (torch's kernel updates the buffers itself)
+            if unbiased_running_var:  # (torch's kernel updates the buffers itself)
                 y = native.batch_norm_train(input, running_mean, running_var, weight, bias,
                                             momentum, eps)
                 if y is not None:
                     return y
-            else:  # the biased running variance, or 16-bit input without float32
-                # parameters (float32 statistics then, for buffers of another dtype): the
-                # buffers from the kernel's statistics
+            if not unbiased_running_var or native.half_statistics(input, weight, bias):
+                # the biased running variance, or 16-bit input without float32 parameters
+                # past the 16-bit statistics' bound (float32 ones then, for buffers of
+                # another dtype): the buffers from the kernel's statistics
                 fast = native.batch_norm_train_stats(input, weight, bias, eps)
         if fast is not None:
             y, mean, var = fast

@@ -55,7 +55,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "batch_norm_stats", "batch_norm_moments", "batch_norm_eval", "kernel_dtypes",
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
            "instance_norm", "layer_norm2d_nchw", "reference_grads", "kernel_params",
-           "half_statistics",
+           "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
@@ -165,6 +165,22 @@ def kernel_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     if weight is None:
         weight = torch.ones(shape, dtype=torch.float32, device=x.device)
     return weight.float(), None if bias is None else bias.float()
+
+
+#: Largest ``|mean| / std`` of a channel for which training BatchNorm of 16-bit input keeps
+#: torch's kernel with 16-bit parameters and buffers, whose statistics are rounded to 16
+#: bits (:func:`half_statistics`): the mean's rounding (``2^-9 |mean|`` in bfloat16,
+#: ``2^-12 |mean|`` in float16) then moves the normalized input by at most ``2^-9``
+#: (``2e-3``), half the output's own rounding at ``|y| = 1`` and below the per-dtype
+#: tolerances (``1.6e-2 + 1.6e-2 |y|``, gradients ``4e-2``). Past it, float32 statistics
+#: (:func:`kernel_params`): at 30 std the 16-bit ones were 1.0e-1 off
+#: (``benchmarks/accuracy.py --sixteen-bit``). Typical activations sit under it (ReLU's
+#: output has ``|mean| / std`` 0.7), so they keep torch's kernel and its speed: bench
+#: bfloat16 BatchNorm with bfloat16 parameters on centered data, two alternated runs at
+#: 1 and 2 threads, float32 statistics always -> this bound, forward 0.74-0.93x ->
+#: 0.89-0.96x, forward+backward 0.83-0.98x -> 0.93-1.01x (RESULTS.md, "Correctness on
+#: 16-bit input").
+HALF_STATISTICS_RATIO = 1.0
 
 
 def half_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
@@ -359,6 +375,9 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
 
     torch updates the running statistics (unbiased variance) inside its kernel; when
     the output is rejected they are restored, so the robust path updates them once.
+    16-bit input without float32 parameters gets 16-bit statistics from the kernel, kept
+    only under :data:`HALF_STATISTICS_RATIO` (the caller then takes
+    :func:`batch_norm_train_stats`, whose statistics are float32).
 
     Example:
         >>> rm, rv = torch.zeros(3), torch.ones(3)
@@ -367,9 +386,11 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
         (True, True)
     """
     threshold = _bn_threshold(x, training=True)
-    if (threshold is None or x.dtype not in _FLOATS or half_statistics(x, weight, bias)
+    if (threshold is None or x.dtype not in _FLOATS
             or not kernel_dtypes(x, running_mean, running_var, weight, bias)):
-        return None  # (16-bit statistics: batch_norm_train_stats, with float32 ones)
+        return None
+    if half_statistics(x, weight, bias):
+        threshold = min(threshold, HALF_STATISTICS_RATIO)
     saved = [t.clone() if t is not None else None for t in (running_mean, running_var)]
     y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var,
                                               True, momentum, eps)
