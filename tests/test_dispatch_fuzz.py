@@ -24,7 +24,7 @@ from unittest import mock
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from oracle import GRAD_TOL, TOL, normalize64
+from oracle import GRAD_TOL, assert_close, normalize64
 
 import normkit
 
@@ -159,13 +159,6 @@ def _params64(module):
     return {name: p.detach().double().requires_grad_() for name, p in module.named_parameters()}
 
 
-def _check(actual, expected, dtype, what):
-    """The output check of oracle.assert_close, with a message naming the draw."""
-    tol = TOL[dtype]
-    torch.testing.assert_close(actual.detach().double(), expected.detach().double(),
-                               equal_nan=True, msg=lambda m: f"{what}: {m}", **tol)
-
-
 def _check_grad(actual, expected, dtype, what, terms=1):
     """oracle.assert_grad_close's bound, relative to the largest reference value -- or,
     for a parameter's gradient, a sum of ``terms`` products of O(1) values, to
@@ -192,7 +185,7 @@ def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None):
     grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).double()
              for o in outs]
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
-        _check(o, r, dtype, f"{what} output {i}")
+        assert_close(o.detach(), r.detach(), dtype, f"{what} output {i}")
         assert o.shape == r.shape
     torch.autograd.backward(list(outs), [g.to(o.dtype) for o, g in zip(outs, grads, strict=True)])
     torch.autograd.backward(list(refs), grads)
