@@ -387,24 +387,26 @@ def test_bias_without_weight_has_gradients(op, shape, layout):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("ratio", [0.0, 0.9, 1.5], ids=["centered", "under", "past"])
-def test_16bit_batch_norm_statistics_bound(ratio, dtype, monkeypatch):
-    """BatchNorm of 16-bit input with 16-bit parameters keeps torch's kernel (16-bit
-    statistics, its own buffer update) up to native.HALF_STATISTICS_RATIO, and takes
-    float32 statistics past it; both within the per-dtype tolerances, buffers too."""
+@pytest.mark.parametrize("layer", ["BatchNorm2d", "BatchNormAct2d"])
+def test_16bit_batch_norm_statistics_bound(layer, ratio, dtype, monkeypatch):
+    """BatchNorm (and BatchNormAct) of 16-bit input with 16-bit parameters keeps torch's
+    kernel (16-bit statistics, its own buffer update) up to native.HALF_STATISTICS_RATIO,
+    and takes float32 statistics (float32 copies of the parameters) past it; both within
+    the per-dtype tolerances, buffers too."""
     from oracle import normalize64
 
     import normkit
     from normkit.kernels import native
 
     calls = []
-    stats = native.batch_norm_train_stats
-    monkeypatch.setattr(native, "batch_norm_train_stats",
-                        lambda *a: calls.append(1) or stats(*a))
+    params = native.kernel_params
+    monkeypatch.setattr(native, "kernel_params", lambda *a: calls.append(1) or params(*a))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 16, 10, 10, generator=gen, dtype=torch.float64)
     x = (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), correction=0, keepdim=True)
     x = (x + ratio).to(dtype).requires_grad_()
-    module = normkit.BatchNorm2d(16).to(dtype)
+    module = (normkit.BatchNorm2d(16) if layer == "BatchNorm2d" else
+              normkit.BatchNormAct2d(16, act="silu")).to(dtype)
     with torch.no_grad():
         module.weight.copy_(torch.rand(16, generator=gen) + 0.5)
         module.bias.copy_(torch.randn(16, generator=gen))
@@ -415,6 +417,7 @@ def test_16bit_batch_norm_statistics_bound(ratio, dtype, monkeypatch):
     x64 = x.detach().double().requires_grad_()
     w64, b64 = (p.detach().double().requires_grad_() for p in (module.weight, module.bias))
     ref = normalize64(x64, (0, 2, 3), w64.view(1, -1, 1, 1), b64.view(1, -1, 1, 1))
+    ref = ref if layer == "BatchNorm2d" else torch.nn.functional.silu(ref)
     ref.backward(dy.double())
     assert_close(y, ref, dtype)
     assert_grad_close(x.grad, x64.grad, dtype, "input grad")

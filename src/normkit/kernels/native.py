@@ -51,7 +51,7 @@ from .memory import empty_like, out_like
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
-           "batch_norm_train_stats",
+           "batch_norm_train_saved", "batch_norm_train_stats",
            "batch_norm_stats", "batch_norm_moments", "batch_norm_eval", "kernel_dtypes",
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
            "instance_norm", "layer_norm2d_nchw", "reference_grads", "kernel_params",
@@ -386,6 +386,24 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
         >>> y is None, bool((rm == 0).all())
         (True, True)
     """
+    fast = batch_norm_train_saved(x, running_mean, running_var, weight, bias, momentum, eps)
+    return None if fast is None else fast[0]
+
+
+def batch_norm_train_saved(x: Tensor, running_mean: Tensor | None,
+                           running_var: Tensor | None, weight: Tensor | None,
+                           bias: Tensor | None, momentum: float, eps: float
+                           ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """:func:`batch_norm_train` with what the kernel saves for its backward: ``(y, mean,
+    invstd)`` (detached; 16-bit for 16-bit input without float32 parameters, as
+    ``torch.ops.aten.native_batch_norm_backward`` then wants them), else ``None``.
+
+    Example:
+        >>> x = torch.randn(8, 3).bfloat16()
+        >>> y, mean, invstd = batch_norm_train_saved(x, None, None, None, None, 0.1, 1e-5)
+        >>> mean.dtype, invstd.shape
+        (torch.bfloat16, torch.Size([3]))
+    """
     threshold = _bn_threshold(x, training=True)
     if (threshold is None or x.dtype not in _FLOATS
             or not kernel_dtypes(x, running_mean, running_var, weight, bias)):
@@ -396,7 +414,7 @@ def batch_norm_train(x: Tensor, running_mean: Tensor | None, running_var: Tensor
     y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var,
                                               True, momentum, eps)
     if well_conditioned(mean, invstd, threshold):
-        return y
+        return y, mean.detach(), invstd.detach()
     with torch.no_grad():
         for running, before in zip((running_mean, running_var), saved, strict=True):
             if running is not None:

@@ -910,10 +910,19 @@ def _fast_batch_norm_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | None
     unit weight for a missing one: ``native.kernel_params``), so that its statistics
     come back in float32 (the kernel's mixed-dtype path) rather than rounded to 16 bits,
     as torch's own BatchNorm with 16-bit parameters leaves them (its output 1.0e-1 off
-    at ``|mean| / std`` 30 in bfloat16: ``benchmarks/accuracy.py --sixteen-bit``)."""
+    at ``|mean| / std`` 30 in bfloat16: ``benchmarks/accuracy.py --sixteen-bit``) --
+    except where every channel has ``|mean| / std <= native.HALF_STATISTICS_RATIO``: there
+    16-bit parameters (or none) get torch's kernel as torch's BatchNorm runs it, 16-bit
+    statistics and buffers updated inside it, as :func:`normkit.functional.batch_norm`
+    does."""
     threshold = native._bn_threshold(x, training=True)
     if threshold is None or not native.kernel_dtypes(x, weight, bias):
         return None
+    if unbiased and native.half_statistics(x, weight, bias):
+        fast = native.batch_norm_train_saved(x, running_mean, running_var, weight, bias,
+                                             momentum, eps)
+        if fast is not None:
+            return (*fast, False)
     w, b = native.kernel_params(x, x.shape[1:2], weight, bias)  # (float32 statistics)
     y, mean, invstd = torch.native_batch_norm(x, w, b, None, None, True, 0.0, eps)
     if not native.well_conditioned(mean, invstd, threshold):
@@ -1071,8 +1080,10 @@ def _bn_act_backward(ctx, dz, mask):
         c = x.shape[1]
         return channels.backward(dy, x, mean.view(1, c), invstd.view(1, c), weight,
                                  channels.Pool("batch"), mask)
-    # (16-bit x: the float32 statistics of _fast_batch_norm_16bit with a float32 weight)
-    w = weight if weight is None else native.kernel_params(x, x.shape[1:2], weight, None)[0]
+    # (16-bit x: the float32 statistics of _fast_batch_norm_16bit with a float32 weight,
+    # or its 16-bit ones with the weight as it is)
+    w = (weight if weight is None or mean.dtype == x.dtype else
+         native.kernel_params(x, x.shape[1:2], weight, None)[0])
     return _param_dtypes(_ATEN.native_batch_norm_backward(dy, x, w, None, None, mean, invstd,
                                                           True, ctx.eps, mask), weight, bias)
 
