@@ -167,9 +167,9 @@ def kernel_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     return weight.float(), None if bias is None else bias.float()
 
 
-#: Largest ``|mean| / std`` of a channel for which training BatchNorm of 16-bit input keeps
-#: torch's kernel with 16-bit parameters and buffers, whose statistics are rounded to 16
-#: bits (:func:`half_statistics`): the mean's rounding (at most ``2^-8 |mean|`` in
+#: Largest ``|mean| / std`` of a channel for which training BatchNorm (and BatchNormAct)
+#: of 16-bit input keeps torch's kernel with 16-bit parameters and buffers, whose
+#: statistics are rounded to 16 bits (:func:`half_statistics`): the mean's rounding (at most ``2^-8 |mean|`` in
 #: bfloat16, ``2^-11 |mean|`` in float16) then moves the normalized input by at most
 #: ``2^-8`` (``3.9e-3``; float16 ``4.9e-4``), the output's own rounding at ``|y| = 1``
 #: and a quarter of the per-dtype tolerances (bfloat16 ``1.6e-2 + 1.6e-2 |y|``,
