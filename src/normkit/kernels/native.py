@@ -167,18 +167,19 @@ def kernel_params(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     return weight.float(), None if bias is None else bias.float()
 
 
-#: Largest ``|mean| / std`` of a channel for which training BatchNorm (and BatchNormAct) of 16-bit
-#: input keeps torch's kernel with 16-bit parameters and buffers, whose statistics are rounded to 16
-#: bits (:func:`half_statistics`): the mean's rounding (at most ``2^-8 |mean|`` in bfloat16, ``2^-11
-#: |mean|`` in float16) then moves the normalized input by at most ``2^-8`` (``3.9e-3``; float16
-#: ``4.9e-4``), the output's own rounding at ``|y| = 1`` and a quarter of the per-dtype tolerances
-#: (bfloat16 ``1.6e-2 + 1.6e-2 |y|``, gradients ``4e-2``; float16 ``2e-3 + 2e-3 |y|``, ``5e-3``).
-#: Past it, float32 statistics (:func:`kernel_params`): at 30 std the 16-bit ones were 1.0e-1 off
-#: (``benchmarks/accuracy.py --sixteen-bit``). Typical activations sit under it (ReLU's output has
-#: ``|mean| / std`` 0.7), so they keep torch's kernel and its speed: bench bfloat16 BatchNorm with
-#: bfloat16 parameters on centered data, two alternated runs at 1 and 2 threads, float32 statistics
-#: always -> this bound, forward 0.74-0.93x -> 0.89-0.96x, forward+backward 0.83-0.98x -> 0.93-1.01x
-#: (RESULTS.md, "Correctness on 16-bit input").
+#: Largest ``|mean| / std`` of a channel for which training BatchNorm (and BatchNormAct) of
+#: 16-bit input keeps torch's kernel with 16-bit parameters and buffers, whose statistics
+#: are rounded to 16 bits (:func:`half_statistics`): the mean's rounding (at most
+#: ``2^-8 |mean|`` in bfloat16, ``2^-11 |mean|`` in float16) then moves the normalized input
+#: by at most ``2^-8`` (``3.9e-3``; float16 ``4.9e-4``), the output's own rounding at
+#: ``|y| = 1`` and a quarter of the per-dtype tolerances (bfloat16 ``1.6e-2 + 1.6e-2 |y|``,
+#: gradients ``4e-2``; float16 ``2e-3 + 2e-3 |y|``, ``5e-3``). Past it, float32 statistics
+#: (:func:`kernel_params`): at 30 std the 16-bit ones were 1.0e-1 off
+#: (``benchmarks/accuracy.py --sixteen-bit``). Typical activations sit under it (ReLU's
+#: output has ``|mean| / std`` 0.7), so they keep torch's kernel and its speed: bench
+#: bfloat16 BatchNorm with bfloat16 parameters on centered data, two alternated runs at 1
+#: and 2 threads, float32 statistics always -> this bound, forward 0.74-0.93x -> 0.89-0.96x,
+#: forward+backward 0.83-0.98x -> 0.93-1.01x (RESULTS.md, "Correctness on 16-bit input").
 HALF_STATISTICS_RATIO = 1.0
 
 
