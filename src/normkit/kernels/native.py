@@ -56,7 +56,8 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
            "instance_norm", "layer_norm2d_nchw", "reference_grads", "kernel_params",
            "half_statistics", "HALF_STATISTICS_RATIO",
-           "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES"]
+           "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "kernel_node",
+           "batch_norm_kernel", "group_norm_kernel"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -274,33 +275,128 @@ def _layer_norm_param_grads(g: Tensor, rows: Tensor, mean: Tensor, rstd: Tensor,
     return dw, db
 
 
-class _LayerNorm16Function(torch.autograd.Function):
-    """LayerNorm of 16-bit input from torch's kernel's output and float32 statistics;
-    backward by :func:`layer_norm_backward` (see :func:`_layer_norm_16bit`)."""
+class _KernelNode(torch.autograd.Function):
+    """A kernel's output as one autograd node over ``(x, weight, bias)``: backward by
+    ``backward(dy, x, weight, bias, mask) -> (dx, dweight, dbias)``, the kernel's own;
+    double backward (``create_graph=True``) by differentiating ``reference(x, weight,
+    bias)``, float32 math for 16-bit input (see :func:`kernel_node`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, out, mean, rstd, shape, eps):
-        ctx.shape, ctx.eps = shape, eps
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
+    def forward(ctx, x, weight, bias, out, backward, reference):
+        ctx.backward_fn, ctx.reference = backward, reference
+        ctx.save_for_backward(x, weight, bias)
         return out[0]  # (passed in a tuple: a fresh tensor, not an input of the node)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph=True: differentiate torch's composite
-            shape, eps = ctx.shape, ctx.eps
-
-            def reference(x, w, b):
-                return torch.nn.functional.layer_norm(
-                    x.float(), shape, None if w is None else w.float(),
-                    None if b is None else b.float(), eps).to(x.dtype)
-
-            grads = reference_grads(reference, (x, weight, bias), needs, dy)
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+            grads = reference_grads(ctx.reference, (x, weight, bias), needs, dy)
         else:
-            grads = layer_norm_backward(dy, x, ctx.shape, mean, rstd, weight, bias,
-                                        list(needs))
-        return (*grads, None, None, None, None, None)
+            grads = ctx.backward_fn(dy, x, weight, bias, list(needs))
+        return (*grads, None, None, None)
+
+
+def kernel_node(x: Tensor, weight: Tensor | None, bias: Tensor | None, y: Tensor,
+                backward, reference) -> Tensor:
+    """``y``, computed without autograd from ``(x, weight, bias)``, attached to them by one
+    node (:class:`_KernelNode`) when any needs a gradient: first-order gradients from
+    ``backward(dy, x, weight, bias, mask)``, higher orders from differentiating
+    ``reference(x, weight, bias)``.
+
+    For torch kernels whose own derivative is wrong in 16 bits: LayerNorm's backward
+    sums the weight gradients in 16 bits (:func:`layer_norm_backward`), and BatchNorm's
+    double backward reduces 16-bit tensors -- in float16 it overflows to inf/NaN from
+    ~10^4 values per channel (``tests/test_dispatch_fuzz.py``'s second-derivative tests
+    found it; torch 2.13) -- so their 16-bit paths differentiate float32 references.
+
+    Example:
+        >>> x = torch.randn(4, 3).half().requires_grad_()
+        >>> y = kernel_node(x, None, None, x.detach() * 2,
+        ...                 lambda dy, x, w, b, mask: (dy * 2, None, None),
+        ...                 lambda x, w, b: (x.float() * 2).to(x.dtype))
+        >>> y.backward(torch.ones_like(y)); x.grad.unique()
+        tensor([2.], dtype=torch.float16)
+    """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias)):
+        return _KernelNode.apply(x, weight, bias, (y,), backward, reference)
+    return y
+
+
+def _float32(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.float()
+
+
+def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int,
+                      eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.native_group_norm`` of ``(N, C, *)`` input: ``(y, mean, rstd)``. 16-bit input
+    that needs a gradient gets it from the same backward kernel through
+    :func:`kernel_node`, whose double backward is float32 math: torch's own
+    ``create_graph=True`` backward of its GroupNorm is a composite in the input's dtype,
+    whose bfloat16 weight gradient was 1.6 off (relative 4e-2) at 40 std of offset.
+
+    Example:
+        >>> x = torch.randn(2, 4, 8, 8).bfloat16().requires_grad_()
+        >>> y, mean, rstd = group_norm_kernel(x, torch.ones(4), None, 2, 1e-5)
+        >>> y.dtype, mean.dtype, mean.shape
+        (torch.bfloat16, torch.float32, torch.Size([2, 2]))
+    """
+    n, c = x.shape[:2]
+    hxw = x.shape[2:].numel()
+    if x.dtype not in _HALF or not torch.is_grad_enabled() or not any(
+            t is not None and t.requires_grad for t in (x, weight, bias)):
+        return torch.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
+    with torch.no_grad():
+        y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
+
+    def backward(dy, x, weight, bias, mask):
+        return tuple(_ATEN.native_group_norm_backward(dy, x, mean, rstd, weight, n, c, hxw,
+                                                      groups, mask))
+
+    def reference(x, weight, bias):  # torch's GroupNorm in float32
+        return torch.nn.functional.group_norm(x.float(), groups, _float32(weight),
+                                              _float32(bias), eps).to(x.dtype)
+
+    return kernel_node(x, weight, bias, y, backward, reference), mean, rstd
+
+
+def batch_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                      running_mean: Tensor | None, running_var: Tensor | None,
+                      momentum: float, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``torch.native_batch_norm`` in training mode: ``(y, mean, invstd)``. 16-bit input
+    that needs a gradient gets it from the same backward kernel through
+    :func:`kernel_node`, whose double backward is float32 math: torch's own reduces
+    float16 tensors and returns inf/NaN second derivatives from ~10^4 values per channel.
+
+    Example:
+        >>> x = torch.randn(4, 3, 64, 64).half().requires_grad_()
+        >>> w = torch.ones(3, requires_grad=True)
+        >>> y, mean, invstd = batch_norm_kernel(x, w, None, None, None, 0.1, 1e-5)
+        >>> dy = torch.randn_like(y)
+        >>> gw, = torch.autograd.grad(y, w, dy, create_graph=True)
+        >>> hx, = torch.autograd.grad(gw.sum(), x)
+        >>> bool(hx.isfinite().all())
+        True
+    """
+    if x.dtype not in _HALF or not torch.is_grad_enabled() or not any(
+            t is not None and t.requires_grad for t in (x, weight, bias)):
+        return torch.native_batch_norm(x, weight, bias, running_mean, running_var, True,
+                                       momentum, eps)
+    with torch.no_grad():
+        y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean,
+                                                  running_var, True, momentum, eps)
+
+    def backward(dy, x, weight, bias, mask):
+        return tuple(_ATEN.native_batch_norm_backward(dy, x, weight, None, None, mean, invstd,
+                                                      True, eps, mask))
+
+    def reference(x, weight, bias):  # torch's BatchNorm in float32
+        return torch.nn.functional.batch_norm(x.float(), None, None, _float32(weight),
+                                              _float32(bias), True, 0.0, eps).to(x.dtype)
+
+    return kernel_node(x, weight, bias, y, backward, reference), mean, invstd
 
 
 def _layer_norm_16bit(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
@@ -313,10 +409,14 @@ def _layer_norm_16bit(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         y, mean, rstd = torch.native_layer_norm(x, shape, w, b, eps)
     if not well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
         return None
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, weight, bias)):
-        return _LayerNorm16Function.apply(x, weight, bias, (y,), mean, rstd, shape, eps)
-    return y
+    def backward(dy, x, weight, bias, mask):
+        return layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask)
+
+    def reference(x, weight, bias):  # torch's composite in float32
+        return torch.nn.functional.layer_norm(x.float(), shape, _float32(weight),
+                                              _float32(bias), eps).to(x.dtype)
+
+    return kernel_node(x, weight, bias, y, backward, reference)
 
 
 #: Most values per channel for which torch's channels-last (and 2D) training-mode
@@ -410,8 +510,8 @@ def batch_norm_train_saved(x: Tensor, running_mean: Tensor | None,
     if half_statistics(x, weight, bias):
         threshold = min(threshold, HALF_STATISTICS_RATIO)
     saved = [t.clone() if t is not None else None for t in (running_mean, running_var)]
-    y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var,
-                                              True, momentum, eps)
+    y, mean, invstd = batch_norm_kernel(x, weight, bias, running_mean, running_var, momentum,
+                                        eps)
     if well_conditioned(mean, invstd, threshold):
         return y, mean.detach(), invstd.detach()
     with torch.no_grad():
@@ -445,7 +545,7 @@ def batch_norm_train_stats(x: Tensor, weight: Tensor | None, bias: Tensor | None
     if threshold is None or x.dtype not in _FLOATS or not kernel_dtypes(x, weight, bias):
         return None
     weight, bias = kernel_params(x, x.shape[1:2], weight, bias)  # (16-bit x: float32 stats)
-    y, mean, invstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
+    y, mean, invstd = batch_norm_kernel(x, weight, bias, None, None, 0.0, eps)
     if not well_conditioned(mean, invstd, threshold):
         return None
     var = torch.pow(invstd.detach(), -2).sub_(eps).clamp_(min=0.0)
@@ -538,7 +638,7 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
         return None
     n, c = x.shape[:2]
     weight, bias = kernel_params(x, (c,), weight, bias)  # (16-bit x: float32 statistics)
-    y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, x.shape[2:].numel(), c, eps)
+    y, mean, rstd = group_norm_kernel(x, weight, bias, c, eps)
     if not well_conditioned(mean, rstd, THRESHOLDS["group_norm"]):
         return None
     if not stats:
@@ -733,10 +833,8 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
     """
     if not _plain_dense(x) or not kernel_dtypes(x, weight, bias):
         return None
-    n, c = x.shape[:2]
-    hxw = x.shape[2:].numel() if x.dim() > 2 else 1
-    weight, bias = kernel_params(x, (c,), weight, bias)  # (16-bit x: float32 statistics)
-    y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hxw, num_groups, eps)
+    weight, bias = kernel_params(x, x.shape[1:2], weight, bias)  # (16-bit x: float32 stats)
+    y, mean, rstd = group_norm_kernel(x, weight, bias, num_groups, eps)
     return y if well_conditioned(mean, rstd, THRESHOLDS["group_norm"]) else None
 
 

@@ -498,7 +498,7 @@ class _BatchRenormForward(_BatchNormForward):
             running = (None, None)
         # the same kernel on the same input: the statistics r and d came from, again
         # (and it updates the running statistics, torch's way, after r and d read them)
-        return torch.native_batch_norm(x, scale, shift, *running, True, factor, self.eps)[0]
+        return native.batch_norm_kernel(x, scale, shift, *running, factor, self.eps)[0]
 
     def _normalized(self, x: Tensor, dims: tuple[int, ...]
                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
