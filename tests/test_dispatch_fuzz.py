@@ -11,8 +11,13 @@ statistics and every gradient against float64 references written here, with the 
 tolerances of ``oracle.py``. Whatever path serves a draw, it must be as accurate as the
 others.
 
+The same draws also check second derivatives (``create_graph=True``, as gradient
+penalties and meta-learning use them): each fast path's double backward is code of its
+own (a float32 reference differentiated by autograd), which first-order tests never run.
+
 ``HYPOTHESIS_PROFILE=explore`` (conftest.py) searches with fresh examples, and
-``NORMKIT_FUZZ_EXAMPLES`` sets how many a run draws (CI: the default below).
+``NORMKIT_FUZZ_EXAMPLES`` / ``NORMKIT_FUZZ_SECOND_ORDER_EXAMPLES`` set how many a run
+draws (CI: the defaults below).
 """
 
 from __future__ import annotations
@@ -43,16 +48,17 @@ MAX_ELEMENTS = 1 << 21
 
 
 def _act64(name: str, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The activation in float64. At ReLU's and LeakyReLU's kink the side is the one the
-    layer's own output ``out`` took: a pre-activation within rounding of zero may fall
-    either way (a 16-bit output is rounded by ~4e-3), and the two sides' derivatives
-    differ by the whole upstream gradient there."""
+    """The activation in float64. At ReLU's, LeakyReLU's and ELU's kink the side is the
+    one the layer's own output ``out`` took: a pre-activation within rounding of zero may
+    fall either way (a 16-bit output is rounded by ~4e-3), and the two sides' derivatives
+    differ by the whole upstream gradient there (ELU's second derivatives by
+    ``alpha``)."""
     if name == "relu":
         return torch.where(out > 0, y, 0.0)
     if name == "leaky_relu":  # (out > 0 exactly where y > 0; a -0.0 out is y's side < 0)
         return torch.where(out > 0, y, 0.01 * y)
-    if name == "elu":
-        return torch.nn.functional.elu(y)
+    if name == "elu":  # (the positive side zeroed before expm1: no inf in where's backward)
+        return torch.where(out > 0, y, torch.where(out > 0, 0.0, y).expm1())
     if name == "silu":
         return torch.nn.functional.silu(y)
     if name == "gelu":
@@ -92,24 +98,24 @@ def _affine_kwargs(kind: str, affine: str) -> dict:
 
 
 @st.composite
-def image_batches(draw):
-    """``(shape, layout)`` of a 4D batch at most :data:`MAX_ELEMENTS` elements."""
+def image_batches(draw, max_elements=MAX_ELEMENTS):
+    """``(shape, layout)`` of a 4D batch of at most ``max_elements`` elements."""
     h, w = draw(st.sampled_from(SPATIAL))
     c = draw(st.sampled_from([1, 3, 8, 16, 32, 64]))
     n = draw(st.sampled_from([1, 2, 3, 4, 8, 16, 32]))
-    while n > 1 and n * c * h * w > MAX_ELEMENTS:
+    while n > 1 and n * c * h * w > max_elements:
         n //= 2
-    if n * c * h * w > MAX_ELEMENTS:
-        c = max(1, MAX_ELEMENTS // (n * h * w))
+    if n * c * h * w > max_elements:
+        c = max(1, max_elements // (n * h * w))
     return (n, c, h, w), draw(st.sampled_from(LAYOUTS))
 
 
 @st.composite
-def row_batches(draw):
+def row_batches(draw, max_elements=MAX_ELEMENTS, widths=(1, 33, 256, 768, 1024, 4096)):
     """``(shape, layout)`` of a ``(rows, width)`` or ``(B, T, width)`` batch."""
-    k = draw(st.sampled_from([1, 33, 256, 768, 1024, 4096]))
+    k = draw(st.sampled_from(widths))
     rows = draw(st.sampled_from([1, 7, 64, 256, 1024, 4096]))
-    while rows > 1 and rows * k > MAX_ELEMENTS:
+    while rows > 1 and rows * k > max_elements:
         rows //= 2
     shape = (rows, k) if draw(st.booleans()) or rows % 4 else (4, rows // 4, k)
     return shape, draw(st.sampled_from(["contiguous", "batch_strided", "transposed"]))
@@ -169,21 +175,22 @@ def _check_grad(actual, expected, dtype, what, terms=1):
     assert err <= GRAD_TOL[dtype] * scale, f"{what}: max error {err:.3e} (scale {scale:.3e})"
 
 
-def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None):
+def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None, order=1):
     """Forward and backward of ``module`` against ``reference(x64, params64)``; both take
     the same upstream gradient. ``inputs`` are the tensors fed to the module (default
-    ``(x,)``); ``reference`` receives their float64 copies."""
+    ``(x,)``); ``reference`` receives their float64 copies. ``order=2`` checks the
+    second derivatives instead (:func:`_run_second_order`)."""
     inputs = (x,) if inputs is None else inputs
+    if order == 2:
+        _run_second_order(module, inputs, reference, params64, dtype, what)
+        return
     leaves = [t.detach().requires_grad_() for t in inputs]
     out = module(*leaves)
     outs = out if isinstance(out, tuple) else (out,)
     leaves64 = [t.detach().double().requires_grad_() for t in inputs]
     refs = reference(*leaves64, params64, outs[0].detach())
     refs = refs if isinstance(refs, tuple) else (refs,)
-    gen = torch.Generator().manual_seed(11)
-    # (the upstream gradient in the output's dtype, as the layer receives it)
-    grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).double()
-             for o in outs]
+    grads = _upstream(outs)
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
         assert_close(o.detach(), r.detach(), dtype, f"{what} output {i}")
         assert o.shape == r.shape
@@ -196,6 +203,63 @@ def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None):
                     terms=outs[0].numel() // max(1, p.numel()))
     if extra is not None:
         extra()
+
+
+def _upstream(outs):
+    """The upstream gradient of each output: float64 values rounded to its dtype, as the
+    layer receives them."""
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).double()
+            for o in outs]
+
+
+def _run_second_order(module, inputs, reference, params64, dtype, what):
+    """Double backward (``create_graph=True``, as gradient penalties and meta-learning
+    use it): the first derivatives ``g`` of the outputs against ``dy``, then the
+    derivatives of ``sum(g * v)`` for fixed directions ``v``, of ``module`` against the
+    float64 reference, every input and parameter."""
+    names = [name for name, _ in module.named_parameters()]
+    params = [p for _, p in module.named_parameters()]
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = module(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    leaves64 = [t.detach().double().requires_grad_() for t in inputs]
+    refs = reference(*leaves64, params64, outs[0].detach())
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    grads = _upstream(outs)
+    wrt, wrt64 = leaves + params, leaves64 + [params64[name] for name in names]
+    first = torch.autograd.grad(outs, wrt, [g.to(o.dtype) for o, g in zip(outs, grads,
+                                                                          strict=True)],
+                                create_graph=True, allow_unused=True)
+    first64 = torch.autograd.grad(refs, wrt64, grads, create_graph=True, allow_unused=True)
+    gen = torch.Generator().manual_seed(12)
+    directions = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in wrt64]
+    labels = [f"input {i}" for i in range(len(leaves))] + names
+    # a parameter's gradient sums over every position it scales: the size such a sum
+    # has before it cancels (see _check_grad)
+    terms = [1] * len(leaves) + [outs[0].numel() // max(1, p.numel()) for p in params]
+    for g, g64, label, n in zip(first, first64, labels, terms, strict=True):
+        assert (g is None) == (g64 is None), f"{what}: first derivative of {label}"
+        if g is not None:
+            _check_grad(g.detach(), g64.detach(), dtype, f"{what} {label} grad", terms=n)
+    total = sum((g.double() * v).sum() for g, v in zip(first, directions, strict=True)
+                if g is not None and g.requires_grad)
+    total64 = sum((g * v).sum() for g, v in zip(first64, directions, strict=True)
+                  if g is not None and g.requires_grad)
+    second = (torch.autograd.grad(total, wrt, allow_unused=True)
+              if torch.is_tensor(total) and total.requires_grad else [None] * len(wrt))
+    second64 = (torch.autograd.grad(total64, wrt64, allow_unused=True)
+                if torch.is_tensor(total64) and total64.requires_grad else [None] * len(wrt))
+    for h, h64, t, t64, label, n in zip(second, second64, wrt, wrt64, labels, terms,
+                                        strict=True):
+        h = torch.zeros_like(t64) if h is None else h
+        h64 = torch.zeros_like(t64) if h64 is None else h64
+        # (a group of a few nearly equal values has second derivatives past float16's
+        # range, ~8e4 over 3 channels: a float16 gradient holds inf there, as it must)
+        beyond = h64.abs() > torch.finfo(t.dtype).max
+        assert bool(h[beyond].isinf().all()), f"{what} {label} second derivative"
+        _check_grad(h.masked_fill(beyond, 0), h64.masked_fill(beyond, 0), dtype,
+                    f"{what} {label} second derivative", terms=n)
 
 
 def _settings():
@@ -266,7 +330,7 @@ def test_image_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywh
         _image_case(batch, ratio, dtype, n_threads, seed, data)
 
 
-def _image_case(batch, ratio, dtype, n_threads, seed, data):
+def _image_case(batch, ratio, dtype, n_threads, seed, data, order=1):
     shape, layout = batch
     n, c = shape[:2]
     gen = torch.Generator().manual_seed(seed)
@@ -283,7 +347,8 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data):
             return  # one value per channel: torch's error case (test_bad_input covers it)
         act = data.draw(st.sampled_from(ACTS)) if kind == "batch_norm_act" else None
         memory = "standard"
-        if act in ("leaky_relu", "elu", "identity"):
+        if act in ("leaky_relu", "elu", "identity") and order == 1:
+            # (memory="inplace" keeps no input: it refuses double backward by design)
             memory = data.draw(st.sampled_from(["standard", "inplace"]))
         unbiased = data.draw(st.booleans())
         kw = _affine_kwargs(kind, data.draw(AFFINE))
@@ -323,7 +388,7 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data):
                                        rtol=rtol, atol=rtol * (1 + ratio * ratio),
                                        msg=lambda m: f"{what}: {m}")
 
-        _run(module, x, reference, _params64(module), dtype, what, extra=running)
+        _run(module, x, reference, _params64(module), dtype, what, extra=running, order=order)
         return
     kw = _affine_kwargs(kind, data.draw(AFFINE))
     if kind == "instance_norm":
@@ -352,7 +417,7 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data):
             return _affine(normalize64(x64, (1,), None, None, module.eps), p, 4)
     _randomize(module, gen)
     module = module.to(param_dtype)
-    _run(module, x, reference, _params64(module), dtype, what)
+    _run(module, x, reference, _params64(module), dtype, what, order=order)
 
 
 @_settings()
@@ -365,7 +430,7 @@ def test_row_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywher
         _row_case(batch, ratio, dtype, n_threads, seed, data)
 
 
-def _row_case(batch, ratio, dtype, n_threads, seed, data):
+def _row_case(batch, ratio, dtype, n_threads, seed, data, order=1):
     shape, layout = batch
     k = shape[-1]
     gen = torch.Generator().manual_seed(seed)
@@ -417,15 +482,16 @@ def _row_case(batch, ratio, dtype, n_threads, seed, data):
 
         _randomize(module, gen)
         module = module.to(param_dtype)
-        _run(module, x, reference, _params64(module), dtype, what, inputs=(x, residual))
+        _run(module, x, reference, _params64(module), dtype, what, inputs=(x, residual),
+             order=order)
         return
     _randomize(module, gen)
     module = module.to(param_dtype)
-    _run(module, x, reference, _params64(module), dtype, what)
+    _run(module, x, reference, _params64(module), dtype, what, order=order)
 
 
 @st.composite
-def other_batches(draw):
+def other_batches(draw, max_elements=MAX_ELEMENTS):
     """``(kind, shape, layout)`` for the layers and ranks the two tests above leave out."""
     kind = draw(st.sampled_from([
         "batch_norm1d_3d", "batch_norm3d", "instance_norm3d", "group_norm_5d",
@@ -447,7 +513,7 @@ def other_batches(draw):
         spatial = draw(st.sampled_from(SPATIAL))
         layouts = LAYOUTS
     shape = (n, c, *spatial)
-    while n > 1 and torch.Size(shape).numel() > MAX_ELEMENTS:
+    while n > 1 and torch.Size(shape).numel() > max_elements:
         n //= 2
         shape = (n, c, *spatial)
     return kind, shape, draw(st.sampled_from(layouts))
@@ -478,7 +544,7 @@ def test_other_layers_and_ranks_match_float64(batch, ratio, dtype, n_threads,
         _other_case(batch, ratio, dtype, n_threads, seed, data)
 
 
-def _other_case(batch, ratio, dtype, n_threads, seed, data):
+def _other_case(batch, ratio, dtype, n_threads, seed, data, order=1):
     kind, shape, layout = batch
     n, c = shape[:2]
     gen = torch.Generator().manual_seed(seed)
@@ -536,7 +602,7 @@ def _other_case(batch, ratio, dtype, n_threads, seed, data):
                                        atol=rtol * (1 + ratio * ratio),
                                        msg=lambda m: f"{what}: {m}")
 
-        _run(module, x, reference, _params64(module), dtype, what, extra=running)
+        _run(module, x, reference, _params64(module), dtype, what, extra=running, order=order)
         return
     extra = None
     if kind in ("instance_norm3d", "instance_norm_running"):
@@ -610,4 +676,66 @@ def _other_case(batch, ratio, dtype, n_threads, seed, data):
         def reference(x64, p, out):
             return normalize64(x64, (-2, -1), p.get("weight"), p.get("bias"), eps64,
                                center=not rms)
-    _run(module, x, reference, _params64(module), dtype, what, extra=extra)
+    _run(module, x, reference, _params64(module), dtype, what, extra=extra, order=order)
+
+
+#: Examples per second-derivative test (each runs two double backwards).
+SECOND_ORDER_EXAMPLES = int(os.environ.get("NORMKIT_FUZZ_SECOND_ORDER_EXAMPLES", "12"))
+#: Largest second-derivative draw: past the slice-sums engine's 2^18-element floor.
+SECOND_ORDER_MAX_ELEMENTS = 1 << 19
+
+
+def _second_order_settings():
+    return settings(max_examples=SECOND_ORDER_EXAMPLES, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@_second_order_settings()
+@given(batch=image_batches(SECOND_ORDER_MAX_ELEMENTS), **COMMON_DRAWS)
+def test_image_layers_second_derivatives(batch, ratio, dtype, n_threads, fast_everywhere,
+                                         seed, data):
+    """Double backward of the image layers on every path a draw selects: the fast paths'
+    ``create_graph=True`` branches differentiate reference math of their own, which the
+    first-order tests never run."""
+    with _conditions(n_threads, fast_everywhere):
+        _image_case(batch, ratio, dtype, n_threads, seed, data, order=2)
+
+
+@_second_order_settings()
+@given(batch=row_batches(SECOND_ORDER_MAX_ELEMENTS, widths=(33, 256, 768, 1024, 4096)),
+       **COMMON_DRAWS)
+def test_row_layers_second_derivatives(batch, ratio, dtype, n_threads, fast_everywhere,
+                                       seed, data):
+    """Double backward of LayerNorm, RMSNorm, AddLayerNorm, AddRMSNorm and BatchNorm1d."""
+    with _conditions(n_threads, fast_everywhere):
+        _row_case(batch, ratio, dtype, n_threads, seed, data, order=2)
+
+
+@_second_order_settings()
+@given(batch=other_batches(SECOND_ORDER_MAX_ELEMENTS), **COMMON_DRAWS)
+def test_other_layers_second_derivatives(batch, ratio, dtype, n_threads, fast_everywhere,
+                                         seed, data):
+    """Double backward of the other layers and ranks."""
+    with _conditions(n_threads, fast_everywhere):
+        _other_case(batch, ratio, dtype, n_threads, seed, data, order=2)
+
+
+class _Draws:
+    """Fixed answers to a case's ``data.draw`` calls, in order: a found example, kept."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def draw(self, strategy):
+        return self.values.pop(0)
+
+
+def test_found_bn_act_double_backward_takes_the_forward_kink_side():
+    """Found by the second-derivative fuzz: BatchNormAct's ``create_graph=True`` backward
+    recomputed ReLU on a float32 reference of a float16 forward, so a pre-activation
+    within rounding of zero could take the other side of the kink than the forward's
+    output did (input gradient 0.87 off there). ``Activation.as_taken`` keeps the
+    forward's side."""
+    with _conditions(1, False):
+        _image_case(((1, 64, 64, 64), "channels_last"), 1.0, torch.float16, 1, 147,
+                    _Draws(torch.float32, "batch_norm_act", "relu", False, "both"), order=2)

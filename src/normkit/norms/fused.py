@@ -242,6 +242,32 @@ class Activation(NamedTuple):
             return _ATEN.silu_backward(dz, y)
         return _ATEN.gelu_backward(dz, y)
 
+    def as_taken(self, y: Tensor, z: Tensor | None, y_forward: Tensor | None) -> Tensor:
+        """The activation of ``y``, differentiable, each kink's side taken as the forward
+        took it (from its output ``z`` when ``from_output``, else its input
+        ``y_forward``): for double backward through a recomputed ``y``. Recomputed in
+        another precision, an input within rounding of zero may fall on the other side,
+        where ReLU's, LeakyReLU's and ELU's derivatives differ by the whole upstream
+        gradient; the first-order backward decides from the forward's values, and so
+        must its derivative.
+
+        Example:
+            >>> act = make_activation("relu")
+            >>> y = torch.tensor([1e-9, -1.0], requires_grad=True)
+            >>> z = act.as_taken(y, torch.tensor([0.0, 0.0]), None)  # the forward said 0
+            >>> torch.autograd.grad(z.sum(), y)[0]
+            tensor([0., 0.])
+        """
+        if self.name not in ("relu", "leaky_relu", "elu"):
+            return self(y)
+        positive = (z if self.from_output else y_forward) > 0
+        if self.name == "relu":
+            return torch.where(positive, y, 0.0)
+        if self.name == "leaky_relu":
+            return torch.where(positive, y, y * self.negative_slope)
+        # (the positive side zeroed before expm1: no inf there for where's backward)
+        return torch.where(positive, y, torch.where(positive, 0.0, y).expm1() * self.alpha)
+
     def inverse(self, z: Tensor) -> Tensor:
         """The input ``y`` with ``act(y) = z`` (invertible activations; ``z`` itself for identity).
 
@@ -1067,7 +1093,8 @@ def _bn_act_backward(ctx, dz, mask):
         with torch.enable_grad():
             ref = reference_normalize(x, ctx.dims, affine_view(weight, view),
                                       affine_view(bias, view), ctx.eps)[0]
-            return _grads_of(act(ref), (x, weight, bias), dz, create_graph=True, needs=mask)
+            return _grads_of(act.as_taken(ref, z, y), (x, weight, bias), dz, create_graph=True,
+                             needs=mask)
     if not ctx.fast:  # ill-conditioned or 16-bit: through normkit's compensated core
         x_, w_, b_ = _grad_inputs((x, weight, bias), mask)
         with torch.enable_grad():
@@ -1324,8 +1351,8 @@ class _GroupNormActFunction(torch.autograd.Function):
                 w, b = _group_params(x, groups, weight, bias)
                 ref = reference_normalize(_grouped(x, groups), _group_dims(x), w, b,
                                           ctx.eps)[0].flatten(1, 2)
-                grads = _grads_of(act(ref), (x, weight, bias), dz, create_graph=True,
-                                  needs=mask)
+                grads = _grads_of(act.as_taken(ref, z, y), (x, weight, bias), dz,
+                                  create_graph=True, needs=mask)
         elif ctx.path == "robust":  # through normkit's compensated core
             x_, w_, b_ = _grad_inputs((x, weight, bias), mask)
             with torch.enable_grad():
