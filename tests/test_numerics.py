@@ -485,3 +485,35 @@ def test_16bit_second_derivatives_match_float64(layer):
                         count ** 0.5 if "dweight" in what else 1.0)
             err = float((got.double() - want).abs().max())
             assert err <= GRAD_TOL[dtype] * scale, f"{layer} {dtype} {what}: {err:.3e}"
+
+
+@pytest.mark.parametrize("layout", ["x_contiguous", "x_channels_last"])
+@pytest.mark.parametrize("layer", ["GroupNorm", "GroupNormAct"])
+def test_16bit_group_norm_gradient_in_the_other_layout(layer, layout):
+    """torch's GroupNorm backward kernel reads the upstream gradient as if laid out like
+    the input (torch's autograd converts it first), so normkit's 16-bit GroupNorm node
+    (``native.group_norm_kernel``) must too: without, a channels-last gradient of a
+    contiguous input (ReLU's, after a channels-last input was normalized through a
+    contiguous copy) gave a GroupNormAct input gradient 5.8 off -- found by
+    ``tests/test_dispatch_fuzz.py`` in the node's first version, before it shipped."""
+    from oracle import normalize64
+
+    import normkit
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 7, 7, generator=gen, dtype=torch.float64).bfloat16()
+    other = torch.channels_last if layout == "x_contiguous" else torch.contiguous_format
+    if layout == "x_channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    module = (normkit.GroupNorm(1, 3) if layer == "GroupNorm" else
+              normkit.GroupNormAct(1, 3, act="relu"))
+    y = module(x)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).bfloat16()
+    y.backward(dy.contiguous(memory_format=other))
+    x64 = x.detach().double().requires_grad_()
+    ref = normalize64(x64.unflatten(1, (1, 3)), (2, 3, 4)).flatten(1, 2)
+    if layer == "GroupNormAct":  # (the kink's side as the layer's output took it)
+        ref = torch.where(y.detach() > 0, ref, 0.0)
+    ref.backward(dy.double())
+    assert_grad_close(x.grad, x64.grad, torch.bfloat16, "input grad")

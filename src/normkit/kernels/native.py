@@ -352,6 +352,9 @@ def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, gro
         y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
 
     def backward(dy, x, weight, bias, mask):
+        # (the kernel reads dy in x's layout, as torch's autograd hands it: an activation's
+        # channels-last gradient of a contiguous x gave garbage)
+        dy = dy.contiguous(memory_format=channels_last_format(x) or torch.contiguous_format)
         return tuple(_ATEN.native_group_norm_backward(dy, x, mean, rstd, weight, n, c, hxw,
                                                       groups, mask))
 
