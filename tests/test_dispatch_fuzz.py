@@ -324,8 +324,8 @@ def _16bit_draws(dtype, ratio, data):
 def test_image_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywhere, seed,
                                     data):
     """BatchNorm2d (training and eval, either running variance), BatchNormAct2d (both
-    memory modes), InstanceNorm2d, GroupNorm, GroupNormAct and LayerNorm2d on one drawn
-    batch."""
+    memory modes, training and eval), InstanceNorm2d, GroupNorm, GroupNormAct and
+    LayerNorm2d on one drawn batch."""
     with _conditions(n_threads, fast_everywhere):
         _image_case(batch, ratio, dtype, n_threads, seed, data)
 
@@ -337,15 +337,21 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data, order=1):
     ratio, param_dtype = _16bit_draws(dtype, ratio, data)
     x = _make_input(shape, layout, dtype, ratio, gen)
     kind = data.draw(st.sampled_from(["batch_norm", "batch_norm_eval", "batch_norm_act",
-                                      "instance_norm", "group_norm", "group_norm_act",
-                                      "layer_norm2d"]))
+                                      "batch_norm_act_eval", "instance_norm", "group_norm",
+                                      "group_norm_act", "layer_norm2d"]))
     what = (f"{kind} {tuple(shape)} {layout} {dtype} (parameters {param_dtype}) ratio "
             f"{ratio} threads {n_threads}")
     dims = (0, 2, 3)
-    if kind in ("batch_norm", "batch_norm_eval", "batch_norm_act"):
-        if kind != "batch_norm_eval" and n * shape[2] * shape[3] == 1:
+    if kind in ("batch_norm", "batch_norm_eval", "batch_norm_act", "batch_norm_act_eval"):
+        training = kind in ("batch_norm", "batch_norm_act")
+        if training and n * shape[2] * shape[3] == 1:
             return  # one value per channel: torch's error case (test_bad_input covers it)
-        act = data.draw(st.sampled_from(ACTS)) if kind == "batch_norm_act" else None
+        if order == 2 and kind == "batch_norm_act_eval" and ratio > 2.6:
+            # data far from the running statistics: the activation's second derivative
+            # enters times xhat^2 (~1600 at 40 std), so float32 loses ~2e-4 of the weight's
+            # second derivative -- torch's BatchNorm2d + SiLU bitwise as normkit
+            return
+        act = data.draw(st.sampled_from(ACTS)) if kind.startswith("batch_norm_act") else None
         memory = "standard"
         if act in ("leaky_relu", "elu", "identity") and order == 1:
             # (memory="inplace" keeps no input: it refuses double backward by design)
@@ -357,7 +363,6 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data, order=1):
         module.unbiased_running_var = unbiased
         _randomize(module, gen)
         module = module.to(param_dtype)
-        training = kind != "batch_norm_eval"
         module.train(training)
         rm0, rv0 = module.running_mean.clone().double(), module.running_var.clone().double()
         what += f" act {act} memory {memory} unbiased {unbiased}"
@@ -496,11 +501,11 @@ def other_batches(draw, max_elements=MAX_ELEMENTS):
     kind = draw(st.sampled_from([
         "batch_norm1d_3d", "batch_norm3d", "instance_norm3d", "group_norm_5d",
         "instance_norm_running", "batch_renorm", "frozen_batch_norm",
-        "batch_norm_cumulative", "batch_norm_act_rows", "layer_norm_2dims",
-        "rms_norm_2dims"]))
+        "batch_norm_cumulative", "batch_norm_act_rows", "batch_norm_act3d",
+        "layer_norm_2dims", "rms_norm_2dims"]))
     n = draw(st.sampled_from([1, 2, 4, 8, 16]))
     c = draw(st.sampled_from([1, 3, 8, 32]))
-    if kind in ("batch_norm3d", "instance_norm3d", "group_norm_5d"):
+    if kind in ("batch_norm3d", "instance_norm3d", "group_norm_5d", "batch_norm_act3d"):
         spatial = draw(st.sampled_from([(2, 7, 7), (4, 14, 14), (8, 16, 16), (3, 17, 13)]))
         layouts = ["contiguous", "channels_last_3d", "batch_strided"]
     elif kind in ("batch_norm1d_3d", "layer_norm_2dims", "rms_norm_2dims"):
@@ -538,8 +543,8 @@ def test_other_layers_and_ranks_match_float64(batch, ratio, dtype, n_threads,
     """BatchNorm1d on ``(N, C, L)``, BatchNorm3d, InstanceNorm3d and GroupNorm on 5D input
     (channels_last_3d too), InstanceNorm with running statistics, Batch Renormalization
     past its warm-up, FrozenBatchNorm2d, BatchNorm with a cumulative average
-    (``momentum=None``), BatchNormAct1d on 2D rows around 8192, LayerNorm and RMSNorm over
-    two trailing dims."""
+    (``momentum=None``), BatchNormAct1d on 2D rows around 8192, BatchNormAct3d, LayerNorm
+    and RMSNorm over two trailing dims."""
     with _conditions(n_threads, fast_everywhere):
         _other_case(batch, ratio, dtype, n_threads, seed, data)
 
@@ -557,12 +562,14 @@ def _other_case(batch, ratio, dtype, n_threads, seed, data, order=1):
     per_channel = (0, *spatial)
     count = x.numel() // c
     if kind in ("batch_norm1d_3d", "batch_norm3d", "batch_norm_cumulative",
-                "batch_norm_act_rows", "batch_renorm"):
+                "batch_norm_act_rows", "batch_norm_act3d", "batch_renorm"):
         if count <= 1:
             return
-        act = data.draw(st.sampled_from(ACTS)) if kind == "batch_norm_act_rows" else None
+        act = data.draw(st.sampled_from(ACTS)) if kind.startswith("batch_norm_act") else None
         if kind == "batch_norm_act_rows":
             module = normkit.BatchNormAct1d(c, act=act)
+        elif kind == "batch_norm_act3d":
+            module = normkit.BatchNormAct3d(c, act=act)
         elif kind == "batch_renorm":
             module = normkit.BatchRenorm2d(c, warmup_steps=0, r_max_steps=1, d_max_steps=1)
         else:
