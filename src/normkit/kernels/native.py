@@ -128,6 +128,10 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         return None
     if x.dtype in _HALF:
         return _layer_norm_16bit(x, shape, weight, bias, eps)
+    if weight is None and bias is not None:
+        # (torch's LayerNorm double backward raises through the bias's gradient without a
+        # weight, "Expected a proper Tensor but got None": a unit weight stands in)
+        weight = torch.ones(shape, dtype=bias.dtype, device=x.device)
     y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
     return y if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]) else None
 
@@ -416,6 +420,8 @@ def _layer_norm_16bit(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         return layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask)
 
     def reference(x, weight, bias):  # torch's composite in float32
+        if weight is None and bias is not None:  # (see layer_norm: its double backward)
+            weight = torch.ones(shape, device=x.device)
         return torch.nn.functional.layer_norm(x.float(), shape, _float32(weight),
                                               _float32(bias), eps).to(x.dtype)
 
