@@ -555,3 +555,53 @@ def test_bias_without_weight_double_backward(op, shape, dtype):
     (hx64,) = torch.autograd.grad(gx64.square().sum(), x64)
     assert_grad_close(gx.detach(), gx64.detach(), dtype, "input grad")
     assert_grad_close(hx, hx64, dtype, "second derivative")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(8, 4, 5, 5), (32, 8, 32, 32)], ids=str)
+@pytest.mark.parametrize("op", ["batch_norm", "batch_norm_eval", "batch_norm_act"])
+def test_bias_without_weight_double_backward_batch_norm(op, shape, dtype, layout):
+    """:func:`test_bias_without_weight_double_backward` for BatchNorm, whose double
+    backward raises the same way without a weight (training and inference kernels,
+    16-bit node's float32 reference too)."""
+    from normkit import functional as NF
+    from normkit.norms import fused
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    c = shape[1]
+    b = torch.randn(c, generator=gen, dtype=torch.float64).float().requires_grad_()
+    rm, rv = torch.randn(c, generator=gen) * 0.1, torch.rand(c, generator=gen) + 0.5
+    if op == "batch_norm":
+        y = NF.batch_norm(x, None, None, None, b, True)
+    elif op == "batch_norm_eval":
+        y = NF.batch_norm(x, rm, rv, None, b, False)
+    else:
+        y = fused.batch_norm_act(x, None, None, None, b, True, act="silu")
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
+    gx, gb = torch.autograd.grad(y, (x, b), dy, create_graph=True)
+    total = gx.double().square().sum() + gb.double().square().sum()
+    hx = (torch.autograd.grad(total, (x, b), allow_unused=True)[0] if total.requires_grad
+          else None)  # (inference BatchNorm is linear: nothing to differentiate again)
+    hx = torch.zeros_like(x) if hx is None else hx
+    x64 = x.detach().double().requires_grad_()
+    if op == "batch_norm_eval":
+        y64 = (x64 - rm.double().view(1, -1, 1, 1)) / torch.sqrt(rv.double() + 1e-5).view(
+            1, -1, 1, 1)
+    else:
+        y64 = (x64 - x64.mean((0, 2, 3), keepdim=True)) / torch.sqrt(
+            x64.var((0, 2, 3), correction=0, keepdim=True) + 1e-5)
+    b64 = b.detach().double().requires_grad_()
+    y64 = y64 + b64.view(1, -1, 1, 1)
+    y64 = torch.nn.functional.silu(y64) if op == "batch_norm_act" else y64
+    gx64, gb64 = torch.autograd.grad(y64, (x64, b64), dy.double(), create_graph=True)
+    total64 = gx64.square().sum() + gb64.square().sum()
+    hx64 = (torch.autograd.grad(total64, x64, allow_unused=True)[0]
+            if total64.requires_grad else None)
+    hx64 = torch.zeros_like(x64) if hx64 is None else hx64
+    assert_grad_close(gx.detach(), gx64.detach(), dtype, "input grad")
+    assert_grad_close(hx, hx64, dtype, "second derivative")

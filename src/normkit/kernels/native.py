@@ -57,7 +57,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "instance_norm", "layer_norm2d_nchw", "reference_grads", "kernel_params",
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "kernel_node",
-           "batch_norm_kernel", "group_norm_kernel"]
+           "batch_norm_kernel", "group_norm_kernel", "weight_for_bias"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -128,10 +128,7 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         return None
     if x.dtype in _HALF:
         return _layer_norm_16bit(x, shape, weight, bias, eps)
-    if weight is None and bias is not None:
-        # (torch's LayerNorm double backward raises through the bias's gradient without a
-        # weight, "Expected a proper Tensor but got None": a unit weight stands in)
-        weight = torch.ones(shape, dtype=bias.dtype, device=x.device)
+    weight = weight_for_bias(weight, bias)
     y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
     return y if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]) else None
 
@@ -333,6 +330,21 @@ def _float32(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.float()
 
 
+def weight_for_bias(weight: Tensor | None, bias: Tensor | None) -> Tensor | None:
+    """``weight``, or a unit weight where a bias comes without one: torch's LayerNorm and
+    BatchNorm double backward raise through the bias's gradient without a weight
+    ("Expected a proper Tensor but got None", torch 2.13; its GroupNorm backward even in
+    first order), so normkit's kernel paths never hand them that combination.
+
+    Example:
+        >>> weight_for_bias(None, torch.zeros(3))
+        tensor([1., 1., 1.])
+        >>> weight_for_bias(None, None) is None
+        True
+    """
+    return torch.ones_like(bias) if weight is None and bias is not None else weight
+
+
 def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int,
                       eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """``torch.native_group_norm`` of ``(N, C, *)`` input: ``(y, mean, rstd)``. 16-bit input
@@ -387,6 +399,7 @@ def batch_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None,
         >>> bool(hx.isfinite().all())
         True
     """
+    weight = weight_for_bias(weight, bias)
     if x.dtype not in _HALF or not torch.is_grad_enabled() or not any(
             t is not None and t.requires_grad for t in (x, weight, bias)):
         return torch.native_batch_norm(x, weight, bias, running_mean, running_var, True,
@@ -420,9 +433,8 @@ def _layer_norm_16bit(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         return layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask)
 
     def reference(x, weight, bias):  # torch's composite in float32
-        if weight is None and bias is not None:  # (see layer_norm: its double backward)
-            weight = torch.ones(shape, device=x.device)
-        return torch.nn.functional.layer_norm(x.float(), shape, _float32(weight),
+        return torch.nn.functional.layer_norm(x.float(), shape,
+                                              _float32(weight_for_bias(weight, bias)),
                                               _float32(bias), eps).to(x.dtype)
 
     return kernel_node(x, weight, bias, y, backward, reference)
@@ -693,6 +705,7 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
     if (threshold is None or not kernel_dtypes(x, running_mean, running_var, weight, bias)
             or not ratio_within(running_mean, running_var, eps, threshold)):
         return None
+    weight = weight_for_bias(weight, bias)  # (torch's double backward: see there)
     grads = torch.is_grad_enabled() and (x.requires_grad or any(
         t is not None and t.requires_grad for t in (weight, bias)))
     if (threshold == THRESHOLDS["batch_norm_channels_last"]
