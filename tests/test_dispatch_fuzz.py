@@ -687,7 +687,7 @@ def _other_case(batch, ratio, dtype, n_threads, seed, data, order=1):
 
 
 #: Examples per second-derivative test (each runs two double backwards).
-SECOND_ORDER_EXAMPLES = int(os.environ.get("NORMKIT_FUZZ_SECOND_ORDER_EXAMPLES", "12"))
+SECOND_ORDER_EXAMPLES = int(os.environ.get("NORMKIT_FUZZ_SECOND_ORDER_EXAMPLES", "25"))
 #: Largest second-derivative draw: past the slice-sums engine's 2^18-element floor.
 SECOND_ORDER_MAX_ELEMENTS = 1 << 19
 
@@ -746,3 +746,121 @@ def test_found_bn_act_double_backward_takes_the_forward_kink_side():
     with _conditions(1, False):
         _image_case(((1, 64, 64, 64), "channels_last"), 1.0, torch.float16, 1, 147,
                     _Draws(torch.float32, "batch_norm_act", "relu", False, "both"), order=2)
+
+
+class _Functional(torch.nn.Module):
+    """A functional op with any of its parameters -- a bias without a weight too, which no
+    module builds -- as a module :func:`_run` can drive."""
+
+    def __init__(self, fn, weight, bias):
+        super().__init__()
+        self.fn = fn
+        for name, p in (("weight", weight), ("bias", bias)):
+            if p is not None:
+                self.register_parameter(name, torch.nn.Parameter(p))
+
+    def forward(self, *inputs):
+        return self.fn(*inputs, getattr(self, "weight", None), getattr(self, "bias", None))
+
+
+FUNCTIONAL_EXAMPLES = int(os.environ.get("NORMKIT_FUZZ_FUNCTIONAL_EXAMPLES", "40"))
+
+
+@settings(max_examples=FUNCTIONAL_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(op=st.sampled_from(["batch_norm", "batch_norm_eval", "instance_norm", "group_norm",
+                           "layer_norm", "layer_norm2d", "add_layer_norm", "rms_norm",
+                           "batch_norm_act", "group_norm_act"]),
+       params=st.sampled_from(["none", "weight", "bias", "both"]),
+       large=st.booleans(), channels_last=st.booleans(), order=st.sampled_from([1, 2]),
+       ratio=st.sampled_from([0.0, 1.0, 40.0]), dtype=DTYPES,
+       seed=st.integers(0, 2**16), data=st.data())
+def test_functional_parameter_combinations(op, params, large, channels_last, order, ratio,
+                                           dtype, seed, data):
+    """The functional API with every combination of parameters (a bias without a weight
+    is the functional API's alone: torch's LayerNorm, BatchNorm and GroupNorm kernels
+    each failed on it somewhere), first and second derivatives."""
+    from normkit import functional as NF
+    from normkit.norms import fused
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = op in ("layer_norm", "add_layer_norm", "rms_norm")
+    if params in ("bias", "both") and op == "rms_norm":
+        params = "weight"  # (RMSNorm has no bias)
+    ratio, param_dtype = _16bit_draws(dtype, ratio, data)
+    shape = ((512, 768) if large else (64, 33)) if rows else (
+        (16, 16, 32, 32) if large else (4, 6, 5, 5))
+    k = shape[-1] if rows else shape[1]
+    x = _make_input(shape, "channels_last" if channels_last and not rows else "contiguous",
+                    dtype, ratio, gen)
+    weight = (torch.rand(k, generator=gen) + 0.5 if params in ("weight", "both") else None)
+    bias = (torch.randn(k, generator=gen) * 0.5 if params in ("bias", "both") else None)
+    weight, bias = (None if p is None else p.to(param_dtype) for p in (weight, bias))
+    rm = torch.randn(k, generator=gen, dtype=torch.float64) * 0.1
+    rv = torch.rand(k, generator=gen, dtype=torch.float64) + 0.5
+    nd = x.dim()
+    what = (f"{op} {shape} channels_last {channels_last} {dtype} (parameters {param_dtype}) "
+            f"params {params} ratio {ratio} order {order}")
+    inputs = (x,)
+    if op == "batch_norm":
+        def fn(x, w, b):
+            return NF.batch_norm(x, None, None, w, b, True)
+    elif op == "batch_norm_eval":
+        def fn(x, w, b):
+            return NF.batch_norm(x, rm.to(param_dtype), rv.to(param_dtype), w, b, False)
+    elif op == "instance_norm":
+        def fn(x, w, b):
+            return NF.instance_norm(x, None, None, w, b)
+    elif op == "group_norm":
+        def fn(x, w, b):
+            return NF.group_norm(x, 2, w, b)
+    elif op == "layer_norm":
+        def fn(x, w, b):
+            return NF.layer_norm(x, (k,), w, b)
+    elif op == "layer_norm2d":
+        def fn(x, w, b):
+            return NF.layer_norm2d(x, w, b)
+    elif op == "rms_norm":
+        def fn(x, w, b):
+            return NF.rms_norm(x, (k,), w, 1e-6)
+    elif op == "add_layer_norm":
+        residual = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        inputs = (x, residual)
+
+        def fn(x, r, w, b):
+            return NF.add_layer_norm(x, r, (k,), w, b)
+    elif op == "batch_norm_act":
+        def fn(x, w, b):
+            return fused.batch_norm_act(x, None, None, w, b, True, act="silu")
+    else:
+        def fn(x, w, b):
+            return fused.group_norm_act(x, 2, w, b, act="silu")
+    module = _Functional(fn, weight, bias)
+
+    def reference(*args):
+        *xs, p, out = args
+        x64 = xs[0] if op != "add_layer_norm" else xs[0] + xs[1]
+        if op == "add_layer_norm":  # (the norm sees the rounded sum: see _row_case)
+            x64 = x64 + ((x + residual).double() - x64).detach()
+        if op == "batch_norm_eval":  # (the statistics as the op got them, rounded)
+            mean, var = (t.to(param_dtype).double() for t in (rm, rv))
+            y = (x64 - _view(mean, nd)) / torch.sqrt(_view(var, nd) + 1e-5)
+        elif op in ("group_norm", "group_norm_act"):
+            y = normalize64(x64.unflatten(1, (2, k // 2)), (2, 3, 4)).flatten(1, 2)
+        elif op == "instance_norm":
+            y = normalize64(x64, (2, 3))
+        elif op == "layer_norm2d":
+            y = normalize64(x64, (1,))
+        elif rows:
+            y = normalize64(x64, (-1,), None, None, 1e-6 if op == "rms_norm" else 1e-5,
+                            center=op != "rms_norm")
+        else:
+            y = normalize64(x64, (0, 2, 3))
+        y = _affine(y, p, nd) if not rows else y * (p["weight"] if "weight" in p else 1) + (
+            p["bias"] if "bias" in p else 0)
+        y = torch.nn.functional.silu(y) if op.endswith("_act") else y
+        return (y, x64) if op == "add_layer_norm" else y
+
+    with _conditions(1, False):
+        _run(module, x, reference, _params64(module), dtype, what, inputs=inputs,
+             order=order)

@@ -806,17 +806,48 @@ def _fuzz_param(data, n, dtype):
     return (1.0 + 0.5 * torch.randn(n, dtype=torch.float64)).to(DEVICE, pdtype).requires_grad_()
 
 
-def _fuzz_check(y, yd, inputs, refs, dtype, what, extra=()):
+def _fuzz_check(y, yd, inputs, refs, dtype, what, extra=(), order=1):
     """Output and every gradient against float64 (``extra``: more ``(got, want)`` outputs
-    sharing the upstream gradient draw)."""
+    sharing the upstream gradient draw); ``order=2``: the gradients taken with
+    ``create_graph=True`` (the launchers' double-backward branch, which differentiates
+    normkit's reference), then the derivatives of their sum against fixed directions."""
     close(y, yd, dtype, f"{what} y")
     dys = [torch.randn_like(y)] + [torch.randn_like(g) for g, _ in extra]
     outs, outs_ref = [y] + [g for g, _ in extra], [yd] + [w for _, w in extra]
-    got = grads(outs, inputs, dys)
-    want = grads(outs_ref, refs, [d.double() for d in dys])
+    got = _grads(outs, inputs, dys, order == 2)
+    want = _grads(outs_ref, refs, [d.double() for d in dys], order == 2)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if w is not None:
             close(g, w, dtype, f"{what} grad {i}")
+    if order == 1:
+        return
+    directions = [None if w is None else torch.randn(w.shape, dtype=torch.float64)
+                  for w in want]
+
+    def total(gs):
+        terms = [(g.double() * v.to(g.device)).sum() for g, v in zip(gs, directions,
+                                                                      strict=True)
+                 if v is not None and g is not None and g.requires_grad]
+        return sum(terms) if terms else None
+
+    t, t_ref = total(got), total(want)
+    if t is None or t_ref is None:
+        return
+    present = [i for i in inputs if i is not None]
+    second = torch.autograd.grad(t, present, allow_unused=True)
+    second_ref = torch.autograd.grad(t_ref, [r for r in refs if r is not None],
+                                     allow_unused=True)
+    for i, (h, h_ref, leaf) in enumerate(zip(second, second_ref, present, strict=True)):
+        h = torch.zeros_like(leaf) if h is None else h  # (None: zero, the unused input's)
+        h_ref = torch.zeros(leaf.shape, dtype=torch.float64) if h_ref is None else h_ref
+        close(h, h_ref, dtype, f"{what} second derivative {i}")
+
+
+def _grads(outputs, inputs, grad_outputs, create_graph):
+    present = [t for t in inputs if t is not None]
+    got = iter(torch.autograd.grad(outputs, present, grad_outputs, create_graph=create_graph,
+                                   allow_unused=create_graph))
+    return [None if t is None else next(got) for t in inputs]
 
 
 @_FUZZ
@@ -852,19 +883,24 @@ def test_fuzz_row_kernels(op, data):
     if residual is not None:  # the norm sees the new residual as rounded to its dtype
         hd = hd + (out[1].detach().double() - hd).detach()
     dims = tuple(range(-len(norm_shape), 0))
-    if op == "ln":
-        yd = F.layer_norm(hd, norm_shape, wd, bd, eps)
+    if op == "ln":  # (composed: torch's LayerNorm double backward raises for a bias alone)
+        centered = hd - hd.mean(dims, keepdim=True)
+        yd = centered * torch.rsqrt(centered.square().mean(dims, keepdim=True) + eps)
+        yd = yd if wd is None else yd * wd
+        yd = yd if bd is None else yd + bd
     else:
         yd = hd * torch.rsqrt(hd.square().mean(dims, keepdim=True) + eps)
         yd = yd if wd is None else yd * wd
+    order = data.draw(st.sampled_from([1, 1, 2]))
+    what += f" order {order}"
     if residual is None:
-        _fuzz_check(out, yd, [x, w, b], [xd, wd, bd], dtype, what)
+        _fuzz_check(out, yd, [x, w, b], [xd, wd, bd], dtype, what, order=order)
     else:
         y, h = out
         # (the new residual is rounded to its dtype; the interpreter rounds bfloat16 by
         # truncation, so h is compared, not required bit-equal)
         _fuzz_check(y, yd, [x, residual, w, b], [xd, rd, wd, bd], dtype, what,
-                    extra=[(h, hd)])
+                    extra=[(h, hd)], order=order)
 
 
 @_FUZZ
@@ -887,21 +923,22 @@ def test_fuzz_channel_kernels(op, data):
     block = data.draw(_BLOCKS)
     what = f"{op} {shape} {layout} {dtype} affine {w is not None, b is not None} block {block}"
     xd, wd, bd = leaves(x, w, b)
+    # (torch's GroupNorm backward, and its BatchNorm double backward, raise on a bias
+    # without a weight: the references get a unit one there)
+    unit = torch.ones(c, dtype=torch.float64) if wd is None and bd is not None else wd
     if op == "gn":
         groups = data.draw(st.sampled_from([g for g in (1, 2, 3, c) if c % g == 0]))
         act = data.draw(st.sampled_from([None, "identity", "silu"]))
         if c // groups * torch.Size(spatial).numel() <= 1:
             return  # one value per group: torch's reference refuses it
         y = tk.group_norm(x, groups, w, b, 1e-5, act=act, block=block)
-        # (torch's own backward raises on a bias without a weight: a unit one there)
-        unit = torch.ones(c, dtype=torch.float64) if wd is None and bd is not None else wd
         yd = F.group_norm(xd, groups, unit, bd, 1e-5)
         yd = F.silu(yd) if act == "silu" else yd
         what += f" groups {groups} act {act}"
     elif op == "bn":
         y, mean, var = tk.batch_norm_train(x, w, b, 1e-5, block=block)
         dims = (0, *range(2, x.dim()))
-        yd = F.batch_norm(xd, None, None, wd, bd, True, 0.1, 1e-5)
+        yd = F.batch_norm(xd, None, None, unit, bd, True, 0.1, 1e-5)
         close(mean, xd.mean(dims), F32, f"{what} mean")
         close(var, xd.var(dims, unbiased=False), F32, f"{what} var")
     else:
@@ -909,6 +946,7 @@ def test_fuzz_channel_kernels(op, data):
               ).to(DEVICE, F32)
         rv = (torch.rand(c, dtype=torch.float64) + 0.5).to(DEVICE, F32)
         y = tk.batch_norm_eval(x, rm, rv, w, b, 1e-5, block=block)
-        yd = F.batch_norm(xd, rm.double(), rv.double(), wd, bd, False, 0.1, 1e-5)
+        yd = F.batch_norm(xd, rm.double(), rv.double(), unit, bd, False, 0.1, 1e-5)
     assert y.dtype == dtype and y.shape == x.shape
-    _fuzz_check(y, yd, [x, w, b], [xd, wd, bd], dtype, what)
+    order = data.draw(st.sampled_from([1, 1, 2]))
+    _fuzz_check(y, yd, [x, w, b], [xd, wd, bd], dtype, f"{what} order {order}", order=order)
