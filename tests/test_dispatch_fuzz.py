@@ -57,8 +57,11 @@ def _act64(name: str, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return torch.where(out > 0, y, 0.0)
     if name == "leaky_relu":  # (out > 0 exactly where y > 0; a -0.0 out is y's side < 0)
         return torch.where(out > 0, y, 0.01 * y)
-    if name == "elu":  # (the positive side zeroed before expm1: no inf in where's backward)
-        return torch.where(out > 0, y, torch.where(out > 0, 0.0, y).expm1())
+    if name == "elu":
+        # (at exactly 0, torch's ELU takes the negative side's first derivative, alpha = 1,
+        # and the positive side's second, 0: y itself there; the positive side zeroed
+        # before expm1, so no inf enters where's backward)
+        return torch.where(out >= 0, y, torch.where(out >= 0, 0.0, y).expm1())
     if name == "silu":
         return torch.nn.functional.silu(y)
     if name == "gelu":
@@ -181,6 +184,8 @@ def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None, o
     ``(x,)``); ``reference`` receives their float64 copies. ``order=2`` checks the
     second derivatives instead (:func:`_run_second_order`)."""
     inputs = (x,) if inputs is None else inputs
+    _set_backend(module)
+    what = f"{what} backend {_BACKEND['name']}"
     if order == 2:
         _run_second_order(module, inputs, reference, params64, dtype, what)
         return
@@ -286,11 +291,18 @@ FAST_EVERYWHERE = {
 }
 
 
+#: The ``backend`` :func:`_run` gives the layers of the current draw (see _conditions).
+_BACKEND = {"name": "auto"}
+
+
 @contextlib.contextmanager
-def _conditions(n_threads: int, fast_everywhere: bool):
-    """``n_threads`` intra-op threads and, if asked, :data:`FAST_EVERYWHERE`."""
+def _conditions(n_threads: int, fast_everywhere: bool, backend: str = "auto"):
+    """``n_threads`` intra-op threads, if asked :data:`FAST_EVERYWHERE`, and the layers'
+    ``backend`` (``"eager"``: normkit's compensated core always; ``"reference"``: its
+    autograd-differentiated math)."""
     before = torch.get_num_threads()
     torch.set_num_threads(n_threads)
+    _BACKEND["name"] = backend
     with contextlib.ExitStack() as stack:
         if fast_everywhere:
             for module, values in FAST_EVERYWHERE.items():
@@ -299,6 +311,13 @@ def _conditions(n_threads: int, fast_everywhere: bool):
             yield
         finally:
             torch.set_num_threads(before)
+            _BACKEND["name"] = "auto"
+
+
+def _set_backend(module) -> None:
+    for m in module.modules():
+        if hasattr(m, "backend"):
+            m.backend = _BACKEND["name"]
 
 
 DTYPES = st.sampled_from([torch.float32] * 6 + [torch.float64, torch.bfloat16, torch.float16])
@@ -307,6 +326,7 @@ DTYPES = st.sampled_from([torch.float32] * 6 + [torch.float64, torch.bfloat16, t
 #: What every test draws besides its batch.
 COMMON_DRAWS = {"ratio": st.sampled_from(RATIOS), "dtype": DTYPES,
                 "n_threads": st.sampled_from([1, 2]), "fast_everywhere": st.booleans(),
+                "backend": st.sampled_from(["auto"] * 6 + ["eager", "reference"]),
                 "seed": st.integers(0, 2**16), "data": st.data()}
 
 
@@ -321,12 +341,12 @@ def _16bit_draws(dtype, ratio, data):
 
 @_settings()
 @given(batch=image_batches(), **COMMON_DRAWS)
-def test_image_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywhere, seed,
-                                    data):
+def test_image_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywhere,
+                                    backend, seed, data):
     """BatchNorm2d (training and eval, either running variance), BatchNormAct2d (both
     memory modes, training and eval), InstanceNorm2d, GroupNorm, GroupNormAct and
     LayerNorm2d on one drawn batch."""
-    with _conditions(n_threads, fast_everywhere):
+    with _conditions(n_threads, fast_everywhere, backend):
         _image_case(batch, ratio, dtype, n_threads, seed, data)
 
 
@@ -427,11 +447,11 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data, order=1):
 
 @_settings()
 @given(batch=row_batches(), **COMMON_DRAWS)
-def test_row_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywhere, seed,
-                                  data):
+def test_row_layers_match_float64(batch, ratio, dtype, n_threads, fast_everywhere, backend,
+                                  seed, data):
     """LayerNorm, RMSNorm, AddLayerNorm, AddRMSNorm and BatchNorm1d (over rows) on one
     drawn batch of rows."""
-    with _conditions(n_threads, fast_everywhere):
+    with _conditions(n_threads, fast_everywhere, backend):
         _row_case(batch, ratio, dtype, n_threads, seed, data)
 
 
@@ -539,13 +559,13 @@ def _other_input(shape, layout, dtype, ratio, gen):
 @_settings()
 @given(batch=other_batches(), **COMMON_DRAWS)
 def test_other_layers_and_ranks_match_float64(batch, ratio, dtype, n_threads,
-                                              fast_everywhere, seed, data):
+                                              fast_everywhere, backend, seed, data):
     """BatchNorm1d on ``(N, C, L)``, BatchNorm3d, InstanceNorm3d and GroupNorm on 5D input
     (channels_last_3d too), InstanceNorm with running statistics, Batch Renormalization
     past its warm-up, FrozenBatchNorm2d, BatchNorm with a cumulative average
     (``momentum=None``), BatchNormAct1d on 2D rows around 8192, BatchNormAct3d, LayerNorm
     and RMSNorm over two trailing dims."""
-    with _conditions(n_threads, fast_everywhere):
+    with _conditions(n_threads, fast_everywhere, backend):
         _other_case(batch, ratio, dtype, n_threads, seed, data)
 
 
@@ -700,11 +720,11 @@ def _second_order_settings():
 @_second_order_settings()
 @given(batch=image_batches(SECOND_ORDER_MAX_ELEMENTS), **COMMON_DRAWS)
 def test_image_layers_second_derivatives(batch, ratio, dtype, n_threads, fast_everywhere,
-                                         seed, data):
+                                         backend, seed, data):
     """Double backward of the image layers on every path a draw selects: the fast paths'
     ``create_graph=True`` branches differentiate reference math of their own, which the
     first-order tests never run."""
-    with _conditions(n_threads, fast_everywhere):
+    with _conditions(n_threads, fast_everywhere, backend):
         _image_case(batch, ratio, dtype, n_threads, seed, data, order=2)
 
 
@@ -712,18 +732,18 @@ def test_image_layers_second_derivatives(batch, ratio, dtype, n_threads, fast_ev
 @given(batch=row_batches(SECOND_ORDER_MAX_ELEMENTS, widths=(33, 256, 768, 1024, 4096)),
        **COMMON_DRAWS)
 def test_row_layers_second_derivatives(batch, ratio, dtype, n_threads, fast_everywhere,
-                                       seed, data):
+                                       backend, seed, data):
     """Double backward of LayerNorm, RMSNorm, AddLayerNorm, AddRMSNorm and BatchNorm1d."""
-    with _conditions(n_threads, fast_everywhere):
+    with _conditions(n_threads, fast_everywhere, backend):
         _row_case(batch, ratio, dtype, n_threads, seed, data, order=2)
 
 
 @_second_order_settings()
 @given(batch=other_batches(SECOND_ORDER_MAX_ELEMENTS), **COMMON_DRAWS)
 def test_other_layers_second_derivatives(batch, ratio, dtype, n_threads, fast_everywhere,
-                                         seed, data):
+                                         backend, seed, data):
     """Double backward of the other layers and ranks."""
-    with _conditions(n_threads, fast_everywhere):
+    with _conditions(n_threads, fast_everywhere, backend):
         _other_case(batch, ratio, dtype, n_threads, seed, data, order=2)
 
 

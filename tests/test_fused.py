@@ -964,3 +964,30 @@ def test_small_inputs_take_the_norm_then_the_activation(layer, layout, monkeypat
         for got, want in zip(module.buffers(), twin.buffers(), strict=True):
             torch.testing.assert_close(got, want)
 
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [
+    ("relu", {}), ("leaky_relu", {"negative_slope": 0.1}), ("elu", {"alpha": 1.0}),
+    ("elu", {"alpha": 2.0}), ("silu", {}), ("gelu", {}), ("identity", {})])
+def test_activation_as_taken_is_torchs_where_the_forward_agrees(name, kwargs):
+    """``Activation.as_taken`` (the double backward's activation) has torch's value and
+    first and second derivatives wherever the forward's side is the input's own --
+    exact zeros too, where torch's ELU takes the negative side's first derivative and
+    the positive side's second."""
+    from normkit.norms.fused import make_activation
+
+    act = make_activation(name, **kwargs)
+    t = torch.tensor([0.0, -0.0, -1e-9, 1e-9, -1.5, 2.0], dtype=torch.float64,
+                     requires_grad=True)
+    z = act(t.detach())
+    got = act.as_taken(t, z, t.detach())
+    t2 = t.detach().requires_grad_()
+    want = act(t2)
+    assert torch.equal(got.detach(), want.detach())
+    for a, b in ((got, t), (want, t2)):
+        (g,) = torch.autograd.grad(a, b, torch.ones_like(a), create_graph=True)
+        h = (torch.autograd.grad(g.sum(), b)[0] if g.requires_grad else torch.zeros_like(b))
+        a.first, a.second = g.detach(), h
+    # (within rounding: alpha * exp(y) multiplies in another order than torch's kernel)
+    torch.testing.assert_close(got.first, want.first, rtol=1e-14, atol=0.0)
+    torch.testing.assert_close(got.second, want.second, rtol=1e-14, atol=0.0)

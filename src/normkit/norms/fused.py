@@ -260,13 +260,17 @@ class Activation(NamedTuple):
         """
         if self.name not in ("relu", "leaky_relu", "elu"):
             return self(y)
-        positive = (z if self.from_output else y_forward) > 0
+        decided = z if self.from_output else y_forward
+        positive = decided > 0
         if self.name == "relu":
             return torch.where(positive, y, 0.0)
         if self.name == "leaky_relu":
             return torch.where(positive, y, y * self.negative_slope)
-        # (the positive side zeroed before expm1: no inf there for where's backward)
-        return torch.where(positive, y, torch.where(positive, 0.0, y).expm1() * self.alpha)
+        # At exactly 0 torch's ELU takes the negative side's first derivative (alpha) and
+        # the positive side's second (0): alpha * y there has both. (The positive side is
+        # zeroed before expm1: no inf there for where's backward.)
+        negative = torch.where(positive, 0.0, y).expm1() * self.alpha
+        return torch.where(positive, y, torch.where(decided == 0, y * self.alpha, negative))
 
     def inverse(self, z: Tensor) -> Tensor:
         """The input ``y`` with ``act(y) = z`` (invertible activations; ``z`` itself for identity).
