@@ -189,13 +189,7 @@ def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None, o
     if order == 2:
         _run_second_order(module, inputs, reference, params64, dtype, what)
         return
-    leaves = [t.detach().requires_grad_() for t in inputs]
-    out = module(*leaves)
-    outs = out if isinstance(out, tuple) else (out,)
-    leaves64 = [t.detach().double().requires_grad_() for t in inputs]
-    refs = reference(*leaves64, params64, outs[0].detach())
-    refs = refs if isinstance(refs, tuple) else (refs,)
-    grads = _upstream(outs)
+    leaves, outs, leaves64, refs, grads = _forward_both(module, inputs, reference, params64)
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
         assert_close(o.detach(), r.detach(), dtype, f"{what} output {i}")
         assert o.shape == r.shape
@@ -210,12 +204,20 @@ def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None, o
         extra()
 
 
-def _upstream(outs):
-    """The upstream gradient of each output: float64 values rounded to its dtype, as the
-    layer receives them."""
+def _forward_both(module, inputs, reference, params64):
+    """``(leaves, outs, leaves64, refs, grads)``: the module's outputs on fresh leaves of
+    ``inputs``, the reference's on their float64 copies, and the upstream gradient of
+    each output (float64 values rounded to its dtype, as the layer receives them)."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = module(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    leaves64 = [t.detach().double().requires_grad_() for t in inputs]
+    refs = reference(*leaves64, params64, outs[0].detach())
+    refs = refs if isinstance(refs, tuple) else (refs,)
     gen = torch.Generator().manual_seed(11)
-    return [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).double()
-            for o in outs]
+    grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).double()
+             for o in outs]
+    return leaves, outs, leaves64, refs, grads
 
 
 def _run_second_order(module, inputs, reference, params64, dtype, what):
@@ -225,13 +227,7 @@ def _run_second_order(module, inputs, reference, params64, dtype, what):
     float64 reference, every input and parameter."""
     names = [name for name, _ in module.named_parameters()]
     params = [p for _, p in module.named_parameters()]
-    leaves = [t.detach().requires_grad_() for t in inputs]
-    out = module(*leaves)
-    outs = out if isinstance(out, tuple) else (out,)
-    leaves64 = [t.detach().double().requires_grad_() for t in inputs]
-    refs = reference(*leaves64, params64, outs[0].detach())
-    refs = refs if isinstance(refs, tuple) else (refs,)
-    grads = _upstream(outs)
+    leaves, outs, leaves64, refs, grads = _forward_both(module, inputs, reference, params64)
     wrt, wrt64 = leaves + params, leaves64 + [params64[name] for name in names]
     first = torch.autograd.grad(outs, wrt, [g.to(o.dtype) for o, g in zip(outs, grads,
                                                                           strict=True)],
