@@ -815,8 +815,9 @@ def test_functional_parameter_combinations(op, params, large, channels_last, ord
     rm = torch.randn(k, generator=gen, dtype=torch.float64) * 0.1
     rv = torch.rand(k, generator=gen, dtype=torch.float64) + 0.5
     nd = x.dim()
+    act = data.draw(st.sampled_from(ACTS)) if op.endswith("_act") else None
     what = (f"{op} {shape} channels_last {channels_last} {dtype} (parameters {param_dtype}) "
-            f"params {params} ratio {ratio} order {order}")
+            f"params {params} ratio {ratio} order {order} act {act}")
     inputs = (x,)
     if op == "batch_norm":
         def fn(x, w, b):
@@ -847,10 +848,10 @@ def test_functional_parameter_combinations(op, params, large, channels_last, ord
             return NF.add_layer_norm(x, r, (k,), w, b)
     elif op == "batch_norm_act":
         def fn(x, w, b):
-            return fused.batch_norm_act(x, None, None, w, b, True, act="silu")
+            return fused.batch_norm_act(x, None, None, w, b, True, act=act)
     else:
         def fn(x, w, b):
-            return fused.group_norm_act(x, 2, w, b, act="silu")
+            return fused.group_norm_act(x, 2, w, b, act=act)
     module = _Functional(fn, weight, bias)
 
     def reference(*args):
@@ -874,7 +875,7 @@ def test_functional_parameter_combinations(op, params, large, channels_last, ord
             y = normalize64(x64, (0, 2, 3))
         y = _affine(y, p, nd) if not rows else y * (p["weight"] if "weight" in p else 1) + (
             p["bias"] if "bias" in p else 0)
-        y = torch.nn.functional.silu(y) if op.endswith("_act") else y
+        y = _act64(act, y, out) if op.endswith("_act") else y
         return (y, x64) if op == "add_layer_norm" else y
 
     with _conditions(1, False):
