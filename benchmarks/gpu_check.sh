@@ -10,7 +10,8 @@
 #                    CUDA graph replays (normkit bench --cuda-graphs: kernels, no host)
 #   overhead.txt     benchmarks/gpu_overhead.py: host us per call, kernel time under CUDA
 #                    graphs, a sweep of the two untuned launch parameters, a direct-launch
-#                    experiment, a profile, and torch's CUDA accuracy at offsets; then
+#                    experiment, a profile, torch's CUDA accuracy at offsets and its
+#                    16-bit second derivatives beside normkit's; then
 #                    benchmarks/gpu_step.py: whole training steps (MLP, conv, LSTM)
 #   results-gpu.json, RESULTS-gpu.md   the table for benchmarks/RESULTS.md
 #   results-gpu-widths.json, RESULTS-gpu-widths.md   LayerNorm/RMSNorm and their add ops
@@ -140,7 +141,7 @@ if [ "$device" = cuda ]; then
     timeout -k 15 110 "$python" benchmarks/gpu_overhead.py > "$out/overhead.txt" 2>&1
 else  # (the interpreter is slow: rehearse the first step only)
     TRITON_INTERPRET=1 NORMKIT_OVERHEAD_DEVICE=cpu "$python" benchmarks/gpu_overhead.py \
-        precision direct_launch > "$out/overhead.txt" 2>&1
+        precision double_backward direct_launch > "$out/overhead.txt" 2>&1
 fi
 code=$?; echo "overhead: exit $code ($out/overhead.txt)"
 [ "$code" = 0 ] || failed="$failed overhead"

@@ -431,13 +431,46 @@ def accuracy() -> None:
         sys.stdout.flush()
 
 
+def double_backward() -> None:
+    """16-bit second derivatives on the device: torch's BatchNorm/GroupNorm double backward
+    on the CPU overflows (float16 BatchNorm: inf/NaN from ~10^4 values per channel) or
+    loses digits (16-bit GroupNorm composite); does CUDA's, and normkit's "auto" there?
+    Max error of the weight's second derivative relative to float64's largest value."""
+    import normkit
+
+    print("\n## 16-bit second derivatives (weight), max error / max |float64|\n")
+    print(f"{'layer':<12} {'dtype':<9} {'torch':>9} {'normkit':>9}")
+    for name in ("BatchNorm2d", "GroupNorm"):
+        for dtype in (torch.float16, torch.bfloat16):
+            gen = torch.Generator().manual_seed(0)
+            x64 = torch.randn(4, 4, 45, 91, dtype=torch.float64, generator=gen)
+            dy = torch.randn(x64.shape, dtype=torch.float64, generator=gen).to(DEV)
+            v = torch.randn(x64.shape, dtype=torch.float64, generator=gen).to(DEV)
+            out = {}
+            for impl in ("float64", "torch", "normkit"):
+                if name == "BatchNorm2d":
+                    m = normkit.BatchNorm2d(4) if impl == "normkit" else torch.nn.BatchNorm2d(4)
+                else:
+                    m = normkit.GroupNorm(2, 4) if impl == "normkit" else torch.nn.GroupNorm(2, 4)
+                m = m.to(DEV, torch.float64 if impl == "float64" else torch.float32)
+                x = x64.to(DEV, torch.float64 if impl == "float64" else dtype)
+                x.requires_grad_()
+                y = m(x)
+                gx, = torch.autograd.grad(y, x, dy.to(y.dtype), create_graph=True)
+                out[impl], = torch.autograd.grad((gx.double() * v).sum(), m.weight)
+            scale = float(out["float64"].abs().max())
+            errors = [_err(out[impl], out["float64"]) / scale for impl in ("torch", "normkit")]
+            print(f"{name:<12} {str(dtype)[6:]:<9} {errors[0]:>9.1e} {errors[1]:>9.1e}")
+    sys.stdout.flush()
+
+
 if __name__ == "__main__":
     import triton
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name() if DEV == 'cuda' else DEV}")
-    steps = {f.__name__: f for f in (precision, accuracy, host_table, gpu_table, tuning,
-                                     direct_launch, profiles)}
+    steps = {f.__name__: f for f in (precision, accuracy, double_backward, host_table,
+                                     gpu_table, tuning, direct_launch, profiles)}
     unknown = [name for name in sys.argv[1:] if name not in steps]
     if unknown:
         sys.exit(f"unknown step(s) {unknown}: expected some of {list(steps)}")
