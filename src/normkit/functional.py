@@ -28,6 +28,7 @@ from .norms._core import (
     check_backend,
     check_floating,
     compiling,
+    in_graph,
     normalize,
     reference_normalize,
     scale_shift,
@@ -93,12 +94,14 @@ def _use_triton(backend: str, x: Tensor, supported, op: str) -> bool:
     the input); ``"auto"`` does for CUDA tensors the kernel supports when ``op`` is in
     :data:`TRITON_AUTO_OPS`, inside torch.compile too: the kernels are registered
     operators (``torch.ops.normkit.triton_*``), so a compiled model runs the same
-    kernels, with the same numerics, as in eager mode.
+    kernels, with the same numerics, as in eager mode. Not under a ``torch.func``
+    transform (``vmap``, ``grad``, ...), which the launchers' autograd Functions refuse:
+    torch's own kernel serves there.
     """
     if backend == "triton":
         return True
-    return (backend == "auto" and op in TRITON_AUTO_OPS and x.is_cuda and tk.available()
-            and supported())
+    return (backend == "auto" and op in TRITON_AUTO_OPS and x.is_cuda
+            and (in_graph() or not compiling()) and tk.available() and supported())
 
 
 def _off_cpu(x: Tensor) -> bool:
@@ -283,7 +286,7 @@ def batch_norm(
         y, mean, invstd = torch.native_batch_norm(input, weight, bias, None, None, True, 0.0,
                                                   eps)
         mean, var = mean.detach(), (invstd.detach().double().pow(-2) - eps).clamp_min_(0.0)
-    elif backend == "auto" and compiling() and library.serves_channels_last(input, weight,
+    elif backend == "auto" and in_graph() and library.serves_channels_last(input, weight,
                                                                             bias):
         # torch.compile: the channels-last paths as one operator (kernels.library)
         y, mean, var = library.batch_norm_train(input, weight, bias, eps)
@@ -499,7 +502,7 @@ def layer_norm(
             y = native.layer_norm(_dense(input), shape, weight, bias, eps)
             if y is not None:
                 return y
-        elif library.serves_layer_norm(input, weight, bias):
+        elif in_graph() and library.serves_layer_norm(input, weight, bias):
             # torch.compile: the same path as one opaque operator (kernels.library)
             return library.layer_norm(input, shape, weight, bias, eps)
     dims = tuple(range(input.dim() - len(shape), input.dim()))
@@ -615,7 +618,7 @@ def layer_norm2d(
                 return y
     elif backend == "auto" and input.dim() > 1:
         last = input.movedim(1, -1)  # torch.compile: channels-last input, one operator
-        if library.serves_layer_norm(last, weight, bias):
+        if in_graph() and library.serves_layer_norm(last, weight, bias):
             return library.layer_norm(last, (input.shape[1],), weight, bias, eps).movedim(-1, 1)
     return normalize(input, (1,), affine_view(weight, view), affine_view(bias, view), eps,
                      backend=backend)[0]
@@ -690,7 +693,7 @@ def group_norm(
         grouped = input.unflatten(1, (num_groups, channels // num_groups))
         return _empty_result(grouped, affine_view(weight, pview),
                              affine_view(bias, pview)).reshape(input.shape)
-    if backend == "auto" and compiling() and library.serves_group_norm(input, weight, bias):
+    if backend == "auto" and in_graph() and library.serves_group_norm(input, weight, bias):
         # torch.compile: the eager paths below as one operator (kernels.library)
         return library.group_norm(input, num_groups, weight, bias, eps)
     if backend == "auto" and not compiling():

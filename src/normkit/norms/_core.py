@@ -29,15 +29,43 @@ BACKENDS = ("auto", "reference", "eager", "triton")
 
 
 def compiling() -> bool:
-    """True while torch.compile traces the code.
+    """True while torch.compile traces the code, or a ``torch.func`` transform (``vmap``,
+    ``grad``, ``jvp``, ``jacrev`` ...) runs it.
 
     Under compilation ``backend="auto"`` takes the reference math on the CPU: it has no
     data-dependent branches (``fullgraph=True`` works) and Inductor fuses its
     elementwise passes and reductions into its own kernels. (Except on the CPU LayerNorm,
     GroupNorm and channels-last training BatchNorm, whose eager paths are registered
-    operators, :mod:`normkit.kernels.library`; CUDA inputs keep the LayerNorm/RMSNorm
-    Triton kernels, registered operators too, and torch's BatchNorm/GroupNorm: see
-    :data:`normkit.functional.TRITON_AUTO_OPS`.)
+    operators, :mod:`normkit.kernels.library` -- under torch.compile only, see
+    :func:`in_graph`; CUDA inputs keep the LayerNorm/RMSNorm Triton kernels, registered
+    operators too, and torch's BatchNorm/GroupNorm: see
+    :data:`normkit.functional.TRITON_AUTO_OPS`.) Under a ``torch.func`` transform the
+    fast paths' accuracy checks cannot read a statistic back (``vmap`` refuses
+    ``.item()``), so the reference math serves there too: plain torch operations,
+    which every transform composes with.
+
+    Example:
+        >>> compiling()
+        False
+        >>> torch.func.vmap(lambda x: x * compiling())(torch.ones(2))
+        tensor([1., 1.])
+    """
+    return torch.compiler.is_compiling() or _functorch_level() is not None
+
+
+def _functorch_level():
+    # (torch.func's innermost active transform level, None outside every transform)
+    level = getattr(torch._C._functorch, "maybe_current_level", None)
+    return None if level is None else level()
+
+
+def in_graph() -> bool:
+    """True while torch.compile traces the code (not under a ``torch.func`` transform
+    alone): where :mod:`normkit.kernels.library`'s registered operators serve.
+
+    Example:
+        >>> in_graph()
+        False
     """
     return torch.compiler.is_compiling()
 

@@ -113,6 +113,7 @@ from ._core import (
     check_channels,
     check_floating,
     compiling,
+    in_graph,
     normalize,
     reference_normalize,
     shape_str,
@@ -629,7 +630,8 @@ def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual
         dims = tuple(range(s.dim() - len(shape), s.dim()))
         if s.numel() == 0:
             return F._empty_result(s, weight, bias).to(x.dtype), s
-        if center and backend == "auto" and library.serves_layer_norm(s, weight, bias):
+        if center and backend == "auto" and in_graph() and library.serves_layer_norm(
+                s, weight, bias):
             # torch.compile on the CPU: the add in the graph, the norm one operator
             return library.layer_norm(s, shape, weight, bias, eps).to(x.dtype), s
         y = reference_normalize(s, dims, weight, bias, eps, center)[0]
