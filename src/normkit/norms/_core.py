@@ -50,13 +50,12 @@ def compiling() -> bool:
         >>> torch.func.vmap(lambda x: x * compiling())(torch.ones(2))
         tensor([1., 1.])
     """
-    return torch.compiler.is_compiling() or _functorch_level() is not None
+    return torch.compiler.is_compiling() or _transforms_active()
 
 
-def _functorch_level():
-    # (torch.func's innermost active transform level, None outside every transform)
-    level = getattr(torch._C._functorch, "maybe_current_level", None)
-    return None if level is None else level()
+#: Whether a torch.func transform is active (looked up once: compiling() runs on every
+#: call of every layer).
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def in_graph() -> bool:
