@@ -103,3 +103,20 @@ def test_any_non_floating_dtype_is_reported(dtype):
                    normkit.GroupNorm(2, 4), normkit.InstanceNorm2d(4), normkit.LayerNorm2d(4)):
         with pytest.raises(ValueError, match=str(dtype)):
             module(x)
+
+
+@pytest.mark.parametrize("cls", [normkit.BatchRenorm1d, normkit.BatchRenorm2d,
+                                 normkit.BatchRenorm3d])
+def test_batch_renorm_without_running_statistics_says_why(cls):
+    """Batch Renormalization compares each batch to its running statistics: asked to go
+    without them (``track_running_stats=False``, a BatchNorm argument it inherits) or
+    stripped of them (``torch.func.replace_all_batch_norm_modules_``), it says so
+    instead of an internal TypeError."""
+    with pytest.raises(ValueError, match="expected track_running_stats=True, got False"):
+        cls(4, track_running_stats=False)
+    module = cls(4, warmup_steps=0)
+    torch.func.replace_all_batch_norm_modules_(module)
+    shape = {normkit.BatchRenorm1d: (2, 4), normkit.BatchRenorm2d: (2, 4, 3, 3),
+             normkit.BatchRenorm3d: (2, 4, 2, 3, 3)}[cls]
+    with pytest.raises(RuntimeError, match="running statistics.*removed"):
+        module(torch.randn(shape))

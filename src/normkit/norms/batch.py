@@ -379,6 +379,10 @@ class _BatchRenormForward(_BatchNormForward):
         if r_max < 1.0 or d_max < 0.0:
             raise ValueError(f"expected r_max >= 1 and d_max >= 0, got r_max={r_max}, "
                              f"d_max={d_max}")
+        if not kwargs.pop("track_running_stats", True):
+            raise ValueError(f"{type(self).__name__} needs running statistics (r and d "
+                             f"compare each batch to them): expected "
+                             f"track_running_stats=True, got False")
         super().__init__(num_features, eps, momentum, affine, True, device=device,
                          dtype=dtype, **kwargs)
         self.r_max, self.d_max = float(r_max), float(d_max)
@@ -392,6 +396,14 @@ class _BatchRenormForward(_BatchNormForward):
 
     def current_limits(self) -> tuple[float, float]:
         """``(r_max, d_max)`` for the next training step."""
+        if self.num_batches_tracked is None or self.running_mean is None:
+            # (e.g. torch.func.replace_all_batch_norm_modules_, which sets them to None)
+            raise RuntimeError(
+                f"{type(self).__name__} needs its running statistics and step count (r "
+                f"and d compare each batch to them), but they were removed (None); "
+                f"expected the buffers running_mean, running_var and num_batches_tracked "
+                f"-- under torch.func use BatchNorm instead, or keep the module out of "
+                f"replace_all_batch_norm_modules_")
         return renorm_limits(int(self.num_batches_tracked), self.r_max, self.d_max,
                              self.warmup_steps, self.r_max_steps, self.d_max_steps)
 
