@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from oracle import assert_close, assert_grad_close, reference_forward
 
 import normkit
-from normkit.kernels import channels
+from normkit.kernels import channels, native
 
 
 @pytest.fixture(autouse=True)
@@ -398,8 +398,6 @@ def test_2d_batch_norm_past_torchs_count_takes_the_engine_through_a_view(affine)
     float64 torch, and the output can be modified in place (ReLU(inplace=True))."""
     from oracle import assert_close
 
-    from normkit.kernels import native
-
     gen = torch.Generator().manual_seed(3)
     n = native.CHANNELS_LAST_MAX_COUNT * 2
     x64 = torch.randn(n, 24, generator=gen, dtype=torch.float64) * 2 + 1
@@ -440,7 +438,7 @@ def test_kernel_backward_takes_the_inputs_strides_in_size_one_dims():
     x = channels.rows_as_channels_last(torch.randn(40, 3))
     g = torch.randn(1, 3, 40, 1).contiguous(memory_format=torch.channels_last)
     assert g.stride() != x.stride()
-    same = channels._strided_like(g, x)
+    same = native.strided_like(g, x)
     assert same.stride() == x.stride() and same.data_ptr() == g.data_ptr()
     torch.testing.assert_close(same, g)
     mean, _, rstd = channels.moments(x, channels.Pool("batch"), 1e-5)

@@ -220,28 +220,48 @@ def _renorm_for_paths(gen, offset=1.0, backend="auto", **limits):
     return brn
 
 
+def _route(path, monkeypatch):
+    """Send small test input down ``path``: the slice-sums engine (``"engine"``), torch's
+    fused kernel twice (the default below ``RENORM_BY_MOMENTS_MIN_ELEMENTS``), or its
+    statistics and inference kernels (``"by-moments..."``)."""
+    from normkit.kernels import channels
+    from normkit.norms import batch
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    monkeypatch.setattr(batch, "RENORM_BY_MOMENTS_MIN_ELEMENTS",
+                        0 if path.startswith("by-moments") else 1 << 30)
+
+
 @pytest.mark.parametrize("path", ["engine", "engine-channels-last",
                                   "engine-channels-last-few", "torch-kernel",
-                                  "channels-last", "compensated", "engine-ill-conditioned",
+                                  "channels-last", "by-moments", "by-moments-channels-last",
+                                  "compensated", "engine-ill-conditioned",
                                   "channels-last-few-ill-conditioned", "reference"])
 def test_renorm_float32_paths_match_the_paper_formula(path, monkeypatch):
     """Past the warm-up, Batch Renormalization takes its batch statistics first (the
     slice-sums engine's sums; on channels-last input with few values per channel
-    torch's statistics kernel; on small input torch's fused kernel), then normalizes once
-    with the corrected affine (``weight * r``, ``weight * d + bias``); ill-conditioned
-    data and the reference backend take normkit's compensated core. Each path's output,
-    gradients and running statistics equal the paper's formula in float64."""
+    torch's statistics kernel; on small input torch's fused kernel, from
+    ``RENORM_BY_MOMENTS_MIN_ELEMENTS`` its statistics kernel), then normalizes once
+    with the corrected affine (``weight * r``, ``weight * d + bias``: the engine's pass,
+    the fused kernel again, or torch's inference kernel, ``native.batch_norm_by_moments``);
+    ill-conditioned data and the reference backend take normkit's compensated core. Each
+    path's output, gradients and running statistics equal the paper's formula in
+    float64."""
     from normkit.kernels import channels, native
+    from normkit.norms import batch
 
     engine = path.startswith("engine") or path == "channels-last-few-ill-conditioned"
     monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if engine else 1 << 30)
+    monkeypatch.setattr(batch, "RENORM_BY_MOMENTS_MIN_ELEMENTS",
+                        0 if path.startswith("by-moments") else 1 << 30)
     if path == "engine-channels-last":  # channels-last past torch's accurate counts (the
         # engine's own backward sums; "-few": below them, torch's backward kernel)
         monkeypatch.setattr(channels, "CHANNELS_LAST_MAX_COUNT", 16)
         monkeypatch.setattr(channels, "CHANNELS_LAST_BACKWARD_MAX_COUNT", 16)
     if path == "engine-channels-last-few":
         monkeypatch.setattr(channels, "_backward_sums", lambda *a: pytest.fail("slice sums"))
-    served = {"engine": [], "torch-kernel": [], "engine-sums": [], "stats-kernel": []}
+    served = {"engine": [], "torch-kernel": [], "engine-sums": [], "stats-kernel": [],
+              "by-moments": []}
 
     def spy(module, name, key):
         real = getattr(module, name)
@@ -250,6 +270,7 @@ def test_renorm_float32_paths_match_the_paper_formula(path, monkeypatch):
 
     spy(channels, "normalize_by", "engine")
     spy(native, "batch_norm_stats", "torch-kernel")
+    spy(native, "batch_norm_by_moments", "by-moments")
     spy(channels, "moments", "engine-sums")
     spy(native, "batch_norm_moments", "stats-kernel")
     gen = torch.Generator().manual_seed(4)
@@ -265,22 +286,41 @@ def test_renorm_float32_paths_match_the_paper_formula(path, monkeypatch):
     want_kernel = path in ("torch-kernel", "channels-last")
     assert bool(served["engine"]) == want_engine, served
     assert any(s is not None for s in served["torch-kernel"]) == want_kernel, served
-    few = path in ("engine-channels-last-few", "channels-last-few-ill-conditioned")
-    assert bool(served["stats-kernel"]) == few, served  # (and its sums, not the engine's)
+    assert bool(served["by-moments"]) == path.startswith("by-moments"), served
+    stats_kernel = path in ("engine-channels-last-few", "channels-last-few-ill-conditioned",
+                            "by-moments", "by-moments-channels-last")
+    assert bool(served["stats-kernel"]) == stats_kernel, served  # (not the engine's sums)
     assert bool(served["engine-sums"]) == (path in ("engine", "engine-channels-last",
                                                     "engine-ill-conditioned")), served
 
 
-def test_renorm_16bit_input_takes_torch_kernel_with_float32_statistics():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_renorm_16bit_input_takes_the_statistics_kernel_in_float32(dtype, layout,
+                                                                   monkeypatch):
+    """16-bit input past the warm-up: float32 statistics from torch's statistics kernel
+    (one read), one pass of its inference kernel with the corrected affine
+    (``native.batch_norm_by_moments``), BatchNorm's backward kernel; output, gradients and
+    running statistics equal the paper's formula in float64."""
     from normkit.kernels import native
 
+    served = []
+    real = native.batch_norm_by_moments
+    monkeypatch.setattr(native, "batch_norm_by_moments",
+                        lambda *a: served.append(a) or real(*a))
     gen = torch.Generator().manual_seed(6)
     brn = _renorm_for_paths(gen, r_max=1.5, d_max=0.5, warmup_steps=0, r_max_steps=0,
                             d_max_steps=0)
-    x = (torch.randn(6, 4, 5, 7, generator=gen) * 2 + 1).to(torch.bfloat16)
-    stats = native.batch_norm_stats(x, brn.eps, brn.weight, brn.bias)
-    assert stats is not None and all(s.dtype == torch.float32 for s in stats)
-    _check_renorm(brn, x, 1.5, 0.5, torch.bfloat16)
+    x = (torch.randn(6, 4, 5, 7, generator=gen) * 2 + 1).to(dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    mean, var, invstd = native.batch_norm_moments(x, brn.eps)
+    assert mean.dtype == var.dtype == invstd.dtype == torch.float32
+    torch.testing.assert_close(mean.double(), x.double().mean((0, 2, 3)), rtol=0, atol=1e-6)
+    _check_renorm(brn, x, 1.5, 0.5, dtype)
+    assert len(served) == 1 and served[0][1].dtype == torch.float32  # (the scale)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    assert brn(x).is_contiguous(memory_format=fmt)  # (in the input's layout)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
@@ -301,14 +341,13 @@ def test_renorm_warm_up_is_batchnorm_and_matches_the_paper_formula(layout, monke
     assert calls and int(brn.num_batches_tracked) == 1
 
 
-@pytest.mark.parametrize("path", ["engine", "torch-kernel", "compensated"])
+@pytest.mark.parametrize("path", ["engine", "torch-kernel", "by-moments", "compensated"])
 def test_renorm_without_affine_matches_the_paper_formula(path, monkeypatch):
     """``affine=False``: the corrected affine is ``r`` and ``d`` alone, on every path."""
     from oracle import assert_close, assert_grad_close
 
-    from normkit.kernels import channels
 
-    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    _route(path, monkeypatch)
     gen = torch.Generator().manual_seed(6)
     offset = 1e4 if path == "compensated" else 1.0
     brn = normkit.BatchRenorm2d(4, affine=False, momentum=0.3, r_max=1.5, d_max=0.5,
@@ -354,14 +393,15 @@ def test_renorm_bad_arguments():
         normkit.BatchRenorm2d(3, r_max=0.5)
 
 
-@pytest.mark.parametrize("path", ["engine", "torch-kernel", "channels-last", "compensated"])
+@pytest.mark.parametrize("path", ["engine", "torch-kernel", "channels-last", "by-moments",
+                                  "by-moments-channels-last", "compensated"])
 def test_renorm_double_backward_float64(path, monkeypatch):
     """Second derivatives of every renormalizing path equal those of the paper's formula
     with r and d stopped (finite differences cannot check these: r and d do depend on
     the batch, by design not through autograd)."""
     from normkit.kernels import channels
 
-    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    _route(path, monkeypatch)
     served = []
     by = channels.normalize_by
     monkeypatch.setattr(channels, "normalize_by", lambda *a: served.append(1) or by(*a))
@@ -370,7 +410,7 @@ def test_renorm_double_backward_float64(path, monkeypatch):
     brn = _renorm_for_paths(gen, offset, r_max=1.5, d_max=0.5, warmup_steps=0,
                             r_max_steps=0, d_max_steps=0).double()
     x = torch.randn(2, 4, 4, 5, generator=gen, dtype=torch.float64) * 2 + offset
-    if path == "channels-last":
+    if path.endswith("channels-last"):
         x = x.contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
     rm, rv = brn.running_mean.clone(), brn.running_var.clone()
@@ -412,13 +452,12 @@ def test_renorm_16bit_module_takes_torch_kernel(module_dtype):
     torch.testing.assert_close(brn.running_var.double(), running[1], **tol)
 
 
-@pytest.mark.parametrize("path", ["engine", "torch-kernel"])
+@pytest.mark.parametrize("path", ["engine", "torch-kernel", "by-moments"])
 def test_renorm_biased_running_variance(path, monkeypatch):
     """``unbiased_running_var=False`` (the Keras/Flax convention) on both fast paths: the
     running variance follows the biased batch variance."""
-    from normkit.kernels import channels
 
-    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    _route(path, monkeypatch)
     gen = torch.Generator().manual_seed(15)
     brn = normkit.BatchRenorm2d(4, momentum=0.5, unbiased_running_var=False, warmup_steps=0,
                                 r_max_steps=0, d_max_steps=0)
@@ -430,13 +469,12 @@ def test_renorm_biased_running_variance(path, monkeypatch):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("path", ["engine", "torch-kernel", "compensated"])
+@pytest.mark.parametrize("path", ["engine", "torch-kernel", "by-moments", "compensated"])
 def test_renorm_cumulative_running_statistics(path, monkeypatch):
     """``momentum=None`` past the warm-up: the running statistics are the plain average
     of the batches' (torch's cumulative rule), on every path."""
-    from normkit.kernels import channels
 
-    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0 if path == "engine" else 1 << 30)
+    _route(path, monkeypatch)
     gen = torch.Generator().manual_seed(16)
     brn = normkit.BatchRenorm2d(4, momentum=None, warmup_steps=0, r_max_steps=0,
                                 d_max_steps=0)

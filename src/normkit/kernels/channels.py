@@ -56,6 +56,7 @@ from .native import (
     CHANNELS_LAST_MAX_COUNT,
     channels_last_format,
     reference_grads,
+    strided_like,
     well_conditioned,
 )
 
@@ -614,7 +615,7 @@ def _kernel_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
     where the sums and a two-step ``k1 dy + k3``, ``+= k2 x`` make three.
     """
     n, c = x.shape[:2]
-    g = _strided_like(dy.contiguous(memory_format=channels_last_format(x)
+    g = strided_like(dy.contiguous(memory_format=channels_last_format(x)
                                     or torch.contiguous_format), x)
     if pool.kind == "batch":
         inputs = (g, x, weight, mean.reshape(c), rstd.reshape(c))
@@ -624,7 +625,7 @@ def _kernel_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                   rstd.reshape(n * c))
     g, v, w, m, r = inputs
     out = out_like(v) if mask[0] else None
-    out = None if out is None else _strided_like(out, v)
+    out = None if out is None else strided_like(out, v)
     if out is None:
         dx, dw, db = _ATEN.native_batch_norm_backward(g, v, w, None, None, m, r, True, 0.0,
                                                       list(mask))
@@ -638,23 +639,6 @@ def _kernel_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
         dw = dw.view(n, c).sum(0) if mask[1] else None
         db = db.view(n, c).sum(0) if mask[2] else None
     return dx, (dw if mask[1] else None), (db if mask[2] else None)
-
-
-def _strided_like(g: Tensor, x: Tensor) -> Tensor:
-    """``g`` (dense in ``x``'s memory format) with exactly ``x``'s strides, as a view.
-
-    Strides of size-1 dims address nothing, yet torch's BatchNorm backward kernel treats
-    a gradient whose strides differ from the input's there as another layout and takes
-    its slow generic path (several times slower on a ``(1, C, N, 1)`` view, whose last
-    stride is 1 where an activation's output has ``C``; ``benchmarks/batch_norm_rows.py
-    --act`` times BatchNormAct1d, which meets it).
-    """
-    if g.stride() == x.stride():
-        return g
-    if all(a == b for a, b, size in zip(g.stride(), x.stride(), x.shape, strict=True)
-           if size != 1):
-        return g.as_strided(x.shape, x.stride(), g.storage_offset())
-    return g
 
 
 #: Fewest positions per slice from which channels-last GroupNorm takes this engine.

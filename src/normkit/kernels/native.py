@@ -51,13 +51,13 @@ from .memory import empty_like, out_like
 _ATEN = torch.ops.aten
 
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
-           "batch_norm_train_saved", "batch_norm_train_stats",
-           "batch_norm_stats", "batch_norm_moments", "batch_norm_eval", "kernel_dtypes",
+           "batch_norm_train_saved", "batch_norm_train_stats", "batch_norm_stats",
+           "batch_norm_moments", "batch_norm_by_moments", "batch_norm_eval", "kernel_dtypes",
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
            "instance_norm", "layer_norm2d_nchw", "reference_grads", "kernel_params",
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "kernel_node",
-           "batch_norm_kernel", "group_norm_kernel", "weight_for_bias"]
+           "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -107,6 +107,29 @@ def channels_last_format(x: Tensor) -> torch.memory_format | None:
     if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
         return torch.channels_last_3d
     return None
+
+
+def strided_like(g: Tensor, x: Tensor) -> Tensor:
+    """``g`` (dense in ``x``'s memory format) with exactly ``x``'s strides, as a view.
+
+    Strides of size-1 dims address nothing, yet torch's BatchNorm backward kernel treats
+    a gradient whose strides differ from the input's there as another layout and takes
+    its slow generic path (several times slower on a ``(1, C, N, 1)`` view, whose last
+    stride is 1 where an activation's output has ``C``; ``benchmarks/batch_norm_rows.py
+    --act`` times BatchNormAct1d, which meets it).
+
+    Example:
+        >>> x = torch.randn(40, 3).t()[None, :, :, None]  # 40 rows' (1, C, N, 1) view
+        >>> g = torch.randn(1, 3, 40, 1).contiguous(memory_format=torch.channels_last)
+        >>> x.stride(), g.stride(), strided_like(g, x).stride()
+        ((3, 1, 3, 1), (120, 1, 3, 3), (3, 1, 3, 1))
+    """
+    if g.stride() == x.stride():
+        return g
+    if all(a == b for a, b, size in zip(g.stride(), x.stride(), x.shape, strict=True)
+           if size != 1):
+        return g.as_strided(x.shape, x.stride(), g.storage_offset())
+    return g
 
 
 def _plain_dense(x: Tensor) -> bool:
@@ -609,7 +632,13 @@ def batch_norm_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] |
     """``(mean, var, invstd)`` per channel (``var`` biased, ``invstd = 1 / sqrt(var +
     eps)``, detached) of training-mode BatchNorm by torch's statistics kernel alone
     (``torch.batch_norm_update_stats``: one read of ``x``, no output written), when
-    accurate by the bound of :func:`batch_norm_train`, else ``None``. float32/float64.
+    accurate by the bound of :func:`batch_norm_train`, else ``None``. Any float dtype:
+    for float16/bfloat16 ``x`` the statistics come back in float32 (the kernel returns
+    them in its running buffers' dtype: it is handed float32 stand-ins with momentum 0),
+    as accurate as the fused kernel's with float32 parameters (the same sums: mean and
+    variance errors equal to two digits, 2e-9 to 2.6e-5 of std at 3 std of offset,
+    bfloat16 and float16, NCHW and channels-last, 32x64x56x56 to 4x8x300x300; scratch
+    comparison against float64).
 
     Its sums are those of torch's fused kernel (the same mean, ``invstd`` within an ulp,
     the same error: ``benchmarks/column_sums.py --stats-kernel``), so the same accuracy
@@ -627,12 +656,63 @@ def batch_norm_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] |
         True
     """
     threshold = _bn_threshold(x, training=True)
-    if threshold is None or x.dtype not in (torch.float32, torch.float64):
+    if threshold is None or x.dtype not in _FLOATS:
         return None
+    running = (None, None)
+    if x.dtype in _HALF:  # (float32 buffers: float32 statistics; momentum 0 keeps them)
+        running = (x.new_zeros(x.shape[1], dtype=torch.float32),
+                   x.new_ones(x.shape[1], dtype=torch.float32))
     # (detached: the statistics kernel has no derivative; callers hold them constant)
-    mean, var = torch.batch_norm_update_stats(x.detach(), None, None, 0.0)
+    mean, var = torch.batch_norm_update_stats(x.detach(), *running, 0.0)
     invstd = torch.add(var, eps).rsqrt_()
     return (mean, var, invstd) if well_conditioned(mean, invstd, threshold) else None
+
+
+def batch_norm_by_moments(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                          mean: Tensor, var: Tensor, invstd: Tensor, eps: float) -> Tensor:
+    """Training-mode BatchNorm of ``x`` from its own batch statistics, computed beforehand
+    by :func:`batch_norm_moments`: the output in one pass of torch's inference kernel
+    (the batch's mean and variance in the running statistics' place), the gradients from
+    its training backward kernel (the statistics as functions of ``x``, which they are),
+    double backward from torch's BatchNorm in float32 (:func:`kernel_node`).
+
+    For callers whose affine depends on the statistics (Batch Renormalization's
+    ``weight * r``, ``weight * d + bias``): the fused training kernel would compute the
+    statistics a second time (and ran a whole normalizing pass to give them first).
+    16-bit ``x`` takes float32 parameters (:func:`kernel_params`); ``weight``/``bias`` of
+    the module's dtype otherwise.
+
+    Example:
+        >>> x = torch.randn(8, 3, 4, 4) * 2 + 1
+        >>> mean, var, invstd = batch_norm_moments(x, 1e-5)
+        >>> y = batch_norm_by_moments(x, None, None, mean, var, invstd, 1e-5)
+        >>> ref = torch.nn.functional.batch_norm(x, None, None, training=True)
+        >>> torch.allclose(y, ref, atol=1e-5)
+        True
+    """
+    c = x.shape[1]
+    w, b = kernel_params(x, (c,), weight, bias)
+    with torch.no_grad():
+        y = torch.native_batch_norm(x, w, b, mean, var, False, 0.0, eps)[0]
+
+    def backward(dy, x, weight, bias, mask):
+        w = kernel_params(x, (c,), weight, bias)[0]
+        dy = strided_like(dy.contiguous(memory_format=channels_last_format(x)
+                                        or torch.contiguous_format), x)
+        dx, dw, db = _ATEN.native_batch_norm_backward(dy, x, w, None, None, mean, invstd,
+                                                      True, eps, mask)
+        # (16-bit x: the kernel's parameter gradients are float32, as its parameters were)
+        return (dx, None if dw is None or weight is None else dw.to(weight.dtype),
+                None if db is None or bias is None else db.to(bias.dtype))
+
+    def reference(x, weight, bias):  # torch's BatchNorm, float32 for 16-bit input
+        wide = x.float() if x.dtype in _HALF else x
+        weight = weight_for_bias(weight, bias)
+        return torch.nn.functional.batch_norm(
+            wide, None, None, None if weight is None else weight.to(wide.dtype),
+            None if bias is None else bias.to(wide.dtype), True, 0.0, eps).to(x.dtype)
+
+    return kernel_node(x, weight, bias, y, backward, reference)
 
 
 def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,

@@ -331,6 +331,23 @@ def renorm_limits(step: int, r_max: float = 3.0, d_max: float = 5.0,
     return ramp(1.0, float(r_max), r_max_steps), ramp(0.0, float(d_max), d_max_steps)
 
 
+#: Fewest elements from which float32/float64 Batch Renormalization outside the slice-sums
+#: engine (small input, 2D rows torch's kernel sums accurately) takes torch's statistics
+#: kernel and one inference-kernel pass (:func:`normkit.kernels.native.batch_norm_by_moments`)
+#: rather than its fused training kernel twice; 16-bit input takes it at any size (its
+#: fused-kernel route had its own autograd node too). Two alternated runs of each
+#: (``normkit bench batch_renorm --shapes 3x5x7x9,2x8x16x16,4x16x16x16,8x16x16x16,
+#: 8x32x16x16,16x32x16x16 --threads 1,2 --repeats 7``, fused kernel twice -> these
+#: kernels at every size), forward+backward: 0.36-0.44x -> 0.24-0.35x torch's BatchNorm
+#: up to 16384 elements (the fixed cost of a Python autograd node and of updating the
+#: running statistics outside the kernel), 0.42-0.47x -> 0.37-0.43x at 32768, 0.43-0.51x
+#: -> 0.46-0.69x at 65536 and 131072; forward 0.37-0.45x -> 0.49-0.73x at 65536 and
+#: 131072. bfloat16 (``--dtype bfloat16 --shapes 32x64x56x56,32x64x56x56:cl,32x256x14x14,
+#: 32x256x14x14:cl``): forward 0.36-0.50x -> 0.62-0.89x, forward+backward 0.56-0.72x ->
+#: 0.66-0.94x (RESULTS.md, "Batch Renormalization on 16-bit input").
+RENORM_BY_MOMENTS_MIN_ELEMENTS = 1 << 16
+
+
 _RENORM_DOC = r"""Batch Renormalization over {what} (Ioffe 2017).
 
     In training, the batch-normalized input is corrected towards the running statistics,
@@ -496,14 +513,29 @@ class _BatchRenormForward(_BatchNormForward):
                                       F._reference((0, *range(2, engine_input.dim())),
                                                    F._channel_view(engine_input), self.eps))
             return channels.channels_last_as_rows(y) if rows else y
+        if not native.kernel_dtypes(x, weight, bias):
+            return None
+        if (x.dtype in (torch.float16, torch.bfloat16)
+                or x.numel() >= RENORM_BY_MOMENTS_MIN_ELEMENTS):
+            # torch's statistics kernel (one read; float32 statistics for 16-bit input),
+            # then one pass of its inference kernel with the corrected affine, the
+            # gradients from BatchNorm's backward kernel
+            stats = native.batch_norm_moments(x, self.eps)
+            if stats is None:
+                return None
+            mean, var, invstd = stats
+            scale, shift = self._corrected_affine(mean, invstd, None, r_max, d_max)
+            self._update_running(mean, var, count, factor)
+            return native.batch_norm_by_moments(x, scale, shift, mean, var, invstd, self.eps)
+        # small float32/float64 input: torch's fused kernel twice (its autograd node and
+        # its running-statistics update cost less than the above's there)
         stats = native.batch_norm_stats(x, self.eps, weight, bias)
         if stats is None:
             return None
         mean, invstd = stats
         scale, shift = self._corrected_affine(mean, invstd, None, r_max, d_max)
         running = (self.running_mean, self.running_var)
-        # (torch's kernel updates the running statistics when it takes their dtype beside
-        # the affine's: 16-bit buffers of a 16-bit module go with float32 r and d here)
+        # (torch's kernel updates the running statistics when it takes their dtype)
         if not (self.unbiased_running_var and native.kernel_dtypes(x, scale, shift, *running)):
             self._update_running(mean, invstd.double().pow(-2).sub_(self.eps).clamp_(min=0)
                                  .to(mean.dtype), count, factor)
