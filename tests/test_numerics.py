@@ -606,3 +606,89 @@ def test_bias_without_weight_double_backward_batch_norm(op, shape, dtype, layout
     hx64 = torch.zeros_like(x64) if hx64 is None else hx64
     assert_grad_close(gx.detach(), gx64.detach(), dtype, "input grad")
     assert_grad_close(hx, hx64, dtype, "second derivative")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("shape", "offset", "rows"), [
+    ((4, 6, 9, 11), 0.5, True), ((2, 4, 3, 5, 6), 0.5, True), ((4, 6, 9, 11), 4.0, False)],
+    ids=["4d", "5d", "past-the-bound"])
+@pytest.mark.parametrize("needs", ["all", "params-only", "no-weight"])
+def test_16bit_channels_last_instance_norm(dtype, shape, offset, rows, needs, monkeypatch):
+    """16-bit channels-last InstanceNorm runs torch's BatchNorm kernels sample by sample
+    in its layout (``native.instance_norm_rows``, here at any sample size) where
+    BatchNorm's channels-last rule allows (|mean| / std <= 2; past it, 4 std here, an
+    NCHW copy through the GroupNorm kernel): output in the input's layout, output,
+    gradients (for any subset of inputs, the upstream gradient in the other layout) and
+    running statistics equal float64, and second derivatives equal float64's."""
+    from oracle import normalize64
+
+    import normkit
+    from normkit.kernels import native
+
+    served = []
+    real = native.instance_norm_rows
+    monkeypatch.setattr(native, "INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS", 0)  # (small samples)
+    monkeypatch.setattr(native, "instance_norm_rows",
+                        lambda *a: served.append(real(*a)) or served[-1])
+    gen = torch.Generator().manual_seed(1)
+    c = shape[1]
+    affine = needs != "no-weight"
+    module = normkit.InstanceNorm3d(c, affine=affine, track_running_stats=True) if len(
+        shape) == 5 else normkit.InstanceNorm2d(c, affine=affine, track_running_stats=True)
+    if affine:
+        with torch.no_grad():
+            module.weight.copy_(torch.rand(c, generator=gen) + 0.5)
+            module.bias.copy_(torch.randn(c, generator=gen))
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 2 * offset).to(dtype)
+    x = x.contiguous(memory_format=fmt).requires_grad_(needs != "params-only")
+    y = module(x)
+    assert bool(served) and (served[0] is not None) == rows
+    assert y.dtype == dtype and y.is_contiguous(memory_format=fmt)
+    dims = tuple(range(2, len(shape)))
+    x64 = x.detach().double().requires_grad_(x.requires_grad)
+    view = (1, c) + (1,) * len(dims)
+    params = [p.detach().double().requires_grad_() for p in module.parameters()]
+    ref = normalize64(x64, dims, *(p.view(view) for p in params))
+    assert_close(y, ref, dtype)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).contiguous()
+    inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
+    inputs64 = [t for t in (x64, *params) if t.requires_grad]
+    for got, want in zip(torch.autograd.grad(y, inputs, dy),
+                         torch.autograd.grad(ref, inputs64, dy.double()), strict=True):
+        assert_grad_close(got, want, dtype)
+    count = x.numel() // (shape[0] * c)
+    unbiased = x64.detach().var(dims, correction=1).mean(0)
+    torch.testing.assert_close(module.running_var.double(), 0.9 + 0.1 * unbiased,
+                               rtol=4 * torch.finfo(torch.float32).eps * count ** 0.5,
+                               atol=0.0)
+    if needs == "all":  # second derivatives: through float32 math, against float64
+        x2 = x.detach().requires_grad_()
+        first = torch.autograd.grad(module(x2), (x2, module.weight), dy, create_graph=True)
+        direction = [torch.randn(t.shape, generator=gen, dtype=torch.float64)
+                     for t in first]
+        total = sum((g.double() * v).sum() for g, v in zip(first, direction, strict=True))
+        second = torch.autograd.grad(total, (x2, module.weight))
+        x64 = x.detach().double().requires_grad_()
+        ref = normalize64(x64, dims, params[0].view(view), params[1].view(view))
+        first64 = torch.autograd.grad(ref, (x64, params[0]), dy.double(), create_graph=True)
+        total64 = sum((g * v).sum() for g, v in zip(first64, direction, strict=True))
+        second64 = torch.autograd.grad(total64, (x64, params[0]))
+        for got, want in zip(second, second64, strict=True):
+            assert_grad_close(got, want, dtype, "second derivative")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_16bit_channels_last_instance_norm_rows_size_floor(threads, monkeypatch):
+    """The per-sample BatchNorm kernels serve samples of at least
+    ``INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS`` per thread (below, their calls cost more than
+    they save: the NCHW copy serves), and the floor scales with the thread count."""
+    from normkit.kernels import native
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    floor = native.INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS * threads
+    c = 16
+    for positions, served in ((floor // c - 1, False), (floor // c, True)):
+        x = torch.randn(2, c, positions, 1).bfloat16().contiguous(
+            memory_format=torch.channels_last)
+        assert (native.instance_norm_rows(x, None, None, 1e-5) is not None) == served

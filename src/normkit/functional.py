@@ -413,12 +413,17 @@ def instance_norm(
             fast = channels.normalize(input, weight, bias, channels.Pool("instance"), eps,
                                       _reference(dims, view, eps))
         layout = _channels_last_format(input)
+        if fast is None and layout is not None and input.dtype in (torch.float16,
+                                                                   torch.bfloat16):
+            # 16-bit channels-last input (the engine serves float32/float64 only): torch's
+            # BatchNorm kernels sample by sample, in its layout
+            fast = native.instance_norm_rows(input, weight, bias, eps, stats)
         if fast is None and layout is not None and (
                 input.numel() < channels.MIN_ELEMENTS
                 or input.dtype in (torch.float16, torch.bfloat16)):
-            # small (or 16-bit: the engine serves float32/float64 only) channels-last
-            # input: that kernel on an NCHW copy (1.2-2x faster fwd+bwd than the
-            # compensated path below the engine's size floor)
+            # small (or 16-bit, past the rows' bound) channels-last input: that kernel on
+            # an NCHW copy (1.2-2x faster fwd+bwd than the compensated path below the
+            # engine's size floor)
             fast = native.instance_norm(input.contiguous(), weight, bias, eps, stats)
             if fast is not None:
                 fast = (fast[0].contiguous(memory_format=layout), *fast[1:])

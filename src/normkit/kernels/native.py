@@ -54,7 +54,9 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "batch_norm_train_saved", "batch_norm_train_stats", "batch_norm_stats",
            "batch_norm_moments", "batch_norm_by_moments", "batch_norm_eval", "kernel_dtypes",
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
-           "instance_norm", "layer_norm2d_nchw", "reference_grads", "kernel_params",
+           "instance_norm", "instance_norm_rows", "INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS",
+           "layer_norm2d_nchw", "reference_grads",
+           "kernel_params",
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like"]
@@ -542,7 +544,7 @@ def batch_norm_train_saved(x: Tensor, running_mean: Tensor | None,
     ``torch.ops.aten.native_batch_norm_backward`` then wants them), else ``None``.
 
     Example:
-        >>> x = torch.randn(8, 3).bfloat16()
+        >>> x = torch.tensor([[1.0, -2.0, 3.0], [-1.0, 2.0, -3.0]] * 4).bfloat16()  # centered
         >>> y, mean, invstd = batch_norm_train_saved(x, None, None, None, None, 0.1, 1e-5)
         >>> mean.dtype, invstd.shape
         (torch.bfloat16, torch.Size([3]))
@@ -746,6 +748,109 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
         return y, None, None
     var = rstd.detach().double().pow(-2).sub_(eps).clamp_(min=0).to(rstd.dtype)
     return y, mean.detach().view(n, c), var.view(n, c)
+
+
+#: Fewest elements per sample, per CPU thread, from which :func:`instance_norm_rows`
+#: serves: its kernel calls, two per sample forward and one backward, each parallel
+#: inside, cost more than they save on smaller samples (and more with more threads).
+#: Two alternated runs of each (``normkit bench instance_norm --dtype bfloat16 --shapes
+#: 3x5x7x9:cl,32x16x8x8:cl,64x32x16x16:cl,16x128x16x16:cl,8x64x28x28:cl,32x256x14x14:cl,
+#: 16x128x24x24:cl,32x64x56x56:cl,4x64x64x64:cl,8x32x128x128:cl --threads 1,2``), ratio to
+#: torch's InstanceNorm, the NCHW copy -> this path with the floor at 0: 1 thread,
+#: samples of 315 to 8192 elements 0.51-1.07x -> 0.12-0.64x, from 32768 forward+backward
+#: 0.47-1.03x -> 0.97-1.50x; 2 threads, samples of 32768 and 50176 elements 0.70-0.99x
+#: -> 0.55-1.08x (mostly worse), from 73728 forward+backward 0.48-0.91x -> 0.90-1.46x.
+INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS = 1 << 15
+
+
+def instance_norm_rows(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                       stats: bool = True
+                       ) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
+    """InstanceNorm of channels-last float16/bfloat16 input by torch's BatchNorm kernels,
+    sample by sample, each sample's ``(positions, C)`` matrix a view of ``x``: the
+    statistics from its statistics kernel (float32), the output by its inference kernel
+    written into the output's view, the gradients by its training backward kernel, all in
+    the input's layout. ``(y, mean, var)`` as :func:`instance_norm` returns them, or
+    ``None`` where BatchNorm's channels-last rule refuses (more than
+    :data:`CHANNELS_LAST_MAX_COUNT_16BIT` positions, or a slice's ``|mean| / std`` past
+    ``THRESHOLDS["batch_norm_channels_last_train"]``: these kernels sum sequentially
+    along the positions, as torch's channels-last BatchNorm does) and for samples under
+    :data:`INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS` per thread.
+
+    torch has no channels-last InstanceNorm: its own copies the input to NCHW, and
+    torch's channels-last 16-bit GroupNorm kernels are slow (one group per channel at
+    32x256x14x14: 47 ms forward against torch's 2.8 ms, a scratch timing). The previous
+    route, an NCHW copy through :func:`instance_norm` and back, was slower than torch's
+    InstanceNorm (RESULTS.md, "InstanceNorm on channels-last 16-bit input").
+
+    Example:
+        >>> x = (torch.randn(2, 64, 128, 128) + 1).bfloat16().contiguous(
+        ...     memory_format=torch.channels_last)
+        >>> y, mean, var = instance_norm_rows(x, None, None, 1e-5)
+        >>> ref = torch.nn.functional.instance_norm(x.float())
+        >>> bool((y.float() - ref).abs().max() < 0.05), mean.dtype, mean.shape
+        (True, torch.float32, torch.Size([2, 64]))
+        >>> y.is_contiguous(memory_format=torch.channels_last)
+        True
+    """
+    layout = channels_last_format(x)
+    if (layout is None or x.dtype not in _HALF or x.numel() == 0
+            or not kernel_dtypes(x, weight, bias)):
+        return None
+    n, c = x.shape[:2]
+    length = x.numel() // (n * c)
+    if (length > CHANNELS_LAST_MAX_COUNT_16BIT
+            or length * c < INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS * torch.get_num_threads()):
+        return None
+
+    def rows(t: Tensor) -> list[Tensor]:  # (positions, C) views of each sample
+        return list(t.movedim(1, -1).reshape(n, length, c).unbind(0))
+
+    # (float32 running buffers, momentum 0: float32 statistics, the buffers unchanged)
+    zero = x.new_zeros(c, dtype=torch.float32)
+    one = x.new_ones(c, dtype=torch.float32)
+    moments = [torch.batch_norm_update_stats(r, zero, one, 0.0) for r in rows(x.detach())]
+    mean = torch.stack([m for m, _ in moments])  # (N, C)
+    var = torch.stack([v for _, v in moments])
+    invstd = torch.add(var, eps).rsqrt_()
+    if not well_conditioned(mean, invstd, THRESHOLDS["batch_norm_channels_last_train"]):
+        return None
+    w, b = kernel_params(x, (c,), weight, bias)
+    y = torch.empty_like(x, memory_format=layout)
+    unused = x.new_empty(0, dtype=torch.float32)
+    with torch.no_grad():
+        for i, (src, dst) in enumerate(zip(rows(x.detach()), rows(y), strict=True)):
+            _ATEN.native_batch_norm.out(src, w, b, mean[i], var[i], False, 0.0, eps,
+                                        out=dst, save_mean=unused, save_invstd=unused)
+
+    def backward(dy, x, weight, bias, mask):
+        w = kernel_params(x, (c,), weight, bias)[0]
+        grads = [rows(dy.contiguous(memory_format=layout)), rows(x)]
+        dx = torch.empty_like(x, memory_format=layout) if mask[0] else None
+        dx_rows = None if dx is None else rows(dx)
+        per_sample = []
+        for i, (g, v) in enumerate(zip(*grads, strict=True)):
+            if dx_rows is None:
+                per_sample.append(_ATEN.native_batch_norm_backward(
+                    g, v, w, None, None, mean[i], invstd[i], True, eps, [False, *mask[1:]]))
+            else:  # (the out= overload computes all three)
+                sums = (mean.new_empty(c), mean.new_empty(c))
+                per_sample.append(_ATEN.native_batch_norm_backward.out(
+                    g, v, w, None, None, mean[i], invstd[i], True, eps, [True] * 3,
+                    out0=dx_rows[i], out1=sums[0], out2=sums[1]))
+        dw = (torch.stack([s[1] for s in per_sample]).sum(0).to(weight.dtype)
+              if mask[1] and weight is not None else None)
+        db = (torch.stack([s[2] for s in per_sample]).sum(0).to(bias.dtype)
+              if mask[2] and bias is not None else None)
+        return dx, dw, db
+
+    def reference(x, weight, bias):  # torch's InstanceNorm in float32
+        return torch.nn.functional.instance_norm(
+            x.float(), weight=_float32(weight_for_bias(weight, bias)), bias=_float32(bias),
+            eps=eps).to(x.dtype)
+
+    y = kernel_node(x, weight, bias, y, backward, reference)
+    return (y, mean, var) if stats else (y, None, None)
 
 
 #: Fewest elements from which inference BatchNorm of channels-last (or 2D ``(N, C)``)
