@@ -317,6 +317,12 @@ def test_renorm_16bit_input_takes_the_statistics_kernel_in_float32(dtype, layout
     mean, var, invstd = native.batch_norm_moments(x, brn.eps)
     assert mean.dtype == var.dtype == invstd.dtype == torch.float32
     torch.testing.assert_close(mean.double(), x.double().mean((0, 2, 3)), rtol=0, atol=1e-6)
+    # the fused kernel's statistics with float32 parameters: the mean bit for bit, invstd
+    # within an ulp
+    _, fused_mean, fused_invstd = torch.native_batch_norm(x, torch.ones(4), None, None, None,
+                                                          True, 0.0, brn.eps)
+    assert torch.equal(mean, fused_mean)
+    torch.testing.assert_close(invstd, fused_invstd, rtol=2 ** -23, atol=0.0)
     _check_renorm(brn, x, 1.5, 0.5, dtype)
     assert len(served) == 1 and served[0][1].dtype == torch.float32  # (the scale)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format

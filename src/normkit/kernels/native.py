@@ -636,11 +636,9 @@ def batch_norm_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] |
     (``torch.batch_norm_update_stats``: one read of ``x``, no output written), when
     accurate by the bound of :func:`batch_norm_train`, else ``None``. Any float dtype:
     for float16/bfloat16 ``x`` the statistics come back in float32 (the kernel returns
-    them in its running buffers' dtype: it is handed float32 stand-ins with momentum 0),
-    as accurate as the fused kernel's with float32 parameters (the same sums: mean and
-    variance errors equal to two digits, 2e-9 to 2.6e-5 of std at 3 std of offset,
-    bfloat16 and float16, NCHW and channels-last, 32x64x56x56 to 4x8x300x300; scratch
-    comparison against float64).
+    them in its running buffers' dtype: it is handed float32 stand-ins with momentum 0):
+    the fused kernel's with float32 parameters, the same mean bit for bit and ``invstd``
+    within an ulp (``tests/test_frozen_renorm.py`` checks it), so the same accuracy.
 
     Its sums are those of torch's fused kernel (the same mean, ``invstd`` within an ulp,
     the same error: ``benchmarks/column_sums.py --stats-kernel``), so the same accuracy
@@ -778,10 +776,10 @@ def instance_norm_rows(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
     :data:`INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS` per thread.
 
     torch has no channels-last InstanceNorm: its own copies the input to NCHW, and
-    torch's channels-last 16-bit GroupNorm kernels are slow (one group per channel at
-    32x256x14x14: 47 ms forward against torch's 2.8 ms, a scratch timing). The previous
-    route, an NCHW copy through :func:`instance_norm` and back, was slower than torch's
-    InstanceNorm (RESULTS.md, "InstanceNorm on channels-last 16-bit input").
+    torch's channels-last 16-bit GroupNorm kernels are the slow ones (see
+    :func:`normkit.functional.group_norm`). The previous route, an NCHW copy through
+    :func:`instance_norm` and back, was slower than torch's InstanceNorm (RESULTS.md,
+    "InstanceNorm on channels-last 16-bit input").
 
     Example:
         >>> x = (torch.randn(2, 64, 128, 128) + 1).bfloat16().contiguous(

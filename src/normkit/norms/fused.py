@@ -870,8 +870,9 @@ def _update_running(running_mean: Tensor | None, running_var: Tensor | None, mea
 
 def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                      running_mean: Tensor | None, running_var: Tensor | None, momentum: float,
-                     eps: float, count: int, unbiased: bool,
-                     overwrite: bool) -> tuple[Tensor, Tensor, Tensor, bool] | None:
+                     eps: float, count: int, unbiased: bool, overwrite: bool,
+                     float32_statistics: bool = False
+                     ) -> tuple[Tensor, Tensor, Tensor, bool] | None:
     """``(y, mean, invstd, from_row_sums)`` of training-mode BatchNorm from fast kernels,
     else ``None``.
 
@@ -888,11 +889,12 @@ def _fast_batch_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     ``y`` is ``x`` itself when ``overwrite``. The running statistics are updated once, by
     torch's kernel or here, and left untouched when every fast result is rejected.
     ``from_row_sums`` says the first path was taken (so the backward is the same
-    engine's, :func:`normkit.kernels.channels.backward`).
+    engine's, :func:`normkit.kernels.channels.backward`). ``float32_statistics``: 16-bit
+    input gets float32 statistics whatever its parameters' dtype.
     """
     if x.numel() > 0 and x.dtype in _HALF:  # (never overwritten: _can_overwrite)
         return _fast_batch_norm_16bit(x, weight, bias, running_mean, running_var, momentum,
-                                      eps, count, unbiased)
+                                      eps, count, unbiased, float32_statistics)
     if x.numel() == 0 or x.dtype not in _WIDE or not _same_dtype(x, weight, bias):
         return None
     if _from_row_sums(x):
@@ -933,7 +935,8 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _fast_batch_norm_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                            running_mean: Tensor | None, running_var: Tensor | None,
-                           momentum: float, eps: float, count: int, unbiased: bool
+                           momentum: float, eps: float, count: int, unbiased: bool,
+                           float32_statistics: bool = False
                            ) -> tuple[Tensor, Tensor, Tensor, bool] | None:
     """:func:`_fast_batch_norm` of float16/bfloat16 input: torch's fused kernel under
     BatchNorm's bound and counts for 16-bit input (``native.CHANNELS_LAST_MAX_COUNT_16BIT``:
@@ -946,11 +949,11 @@ def _fast_batch_norm_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | None
     except where every channel has ``|mean| / std <= native.HALF_STATISTICS_RATIO``: there
     16-bit parameters (or none) get torch's kernel as torch's BatchNorm runs it, 16-bit
     statistics and buffers updated inside it, as :func:`normkit.functional.batch_norm`
-    does."""
+    does (unless ``float32_statistics``: In-Place ABN recovers its input from them)."""
     threshold = native._bn_threshold(x, training=True)
     if threshold is None or not native.kernel_dtypes(x, weight, bias):
         return None
-    if unbiased and native.half_statistics(x, weight, bias):
+    if unbiased and not float32_statistics and native.half_statistics(x, weight, bias):
         fast = native.batch_norm_train_saved(x, running_mean, running_var, weight, bias,
                                              momentum, eps)
         if fast is not None:
@@ -1040,13 +1043,12 @@ class _BatchNormActFunction(torch.autograd.Function):
             if fb_idx is not None:
                 fb_xhat = _robust_xhat(x.index_select(1, fb_idx), dims, eps).to(x.dtype)
         fast = None
-        if use_native and not (inplace and x.dtype in _HALF and not all(
-                p is None or p.dtype == torch.float32 for p in (weight, bias))):
+        if use_native:
             # (In-Place ABN recovers the input from its 16-bit output with the statistics
-            # and affine: in float32, from the kernel with float32 parameters, else from
-            # its float32 core)
+            # and affine: in float32, so its 16-bit input takes the kernel with float32
+            # parameters, whose statistics are float32, whatever its parameters' dtype)
             fast = _fast_batch_norm(x, weight, bias, running_mean, running_var, momentum, eps,
-                                    count, unbiased, overwrite)
+                                    count, unbiased, overwrite, float32_statistics=inplace)
         ctx.row_sums = False
         if fast is not None:
             out, mean, invstd, ctx.row_sums = fast
