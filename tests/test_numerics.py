@@ -692,3 +692,51 @@ def test_16bit_channels_last_instance_norm_rows_size_floor(threads, monkeypatch)
         x = torch.randn(2, c, positions, 1).bfloat16().contiguous(
             memory_format=torch.channels_last)
         assert (native.instance_norm_rows(x, None, None, 1e-5) is not None) == served
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("offset", [0.5, 40.0], ids=["centered", "past-the-bound"])
+def test_16bit_nchw_instance_norm_kernels(dtype, offset, monkeypatch):
+    """NCHW InstanceNorm of float16 input runs torch's BatchNorm statistics and inference
+    kernels on the ``(1, N*C, L)`` view (torch's float16 GroupNorm kernels are the slow
+    ones), bfloat16 the GroupNorm kernel; past the bound (40 std) the compensated core.
+    Output, gradients, running statistics and second derivatives equal float64."""
+    from oracle import normalize64
+
+    import normkit
+    from normkit.kernels import native
+
+    served = []
+    real = native.batch_norm_by_moments
+    monkeypatch.setattr(native, "FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS", 0)  # (small input)
+    monkeypatch.setattr(native, "batch_norm_by_moments",
+                        lambda *a: served.append(a) or real(*a))
+    gen = torch.Generator().manual_seed(2)
+    module = normkit.InstanceNorm2d(6, affine=True, track_running_stats=True)
+    with torch.no_grad():
+        module.weight.copy_(torch.rand(6, generator=gen) + 0.5)
+        module.bias.copy_(torch.randn(6, generator=gen))
+    module = module.to(dtype)
+    x = (torch.randn(4, 6, 9, 11, generator=gen, dtype=torch.float64) + offset).to(dtype)
+    x.requires_grad_()
+    y = module(x)
+    assert bool(served) == (dtype == torch.float16 and offset < 32)
+    x64 = x.detach().double().requires_grad_()
+    w64, b64 = (p.detach().double().requires_grad_() for p in module.parameters())
+    ref = normalize64(x64, (2, 3), w64.view(1, 6, 1, 1), b64.view(1, 6, 1, 1))
+    assert_close(y, ref, dtype)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    first = torch.autograd.grad(y, (x, *module.parameters()), dy.to(dtype), create_graph=True)
+    first64 = torch.autograd.grad(ref, (x64, w64, b64), dy, create_graph=True)
+    for got, want in zip(first, first64, strict=True):
+        assert_grad_close(got.detach(), want.detach(), dtype)
+    direction = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in first[:2]]
+    second = torch.autograd.grad(sum((g.double() * v).sum() for g, v in zip(
+        first[:2], direction, strict=True)), (x, module.weight))
+    second64 = torch.autograd.grad(sum((g * v).sum() for g, v in zip(
+        first64[:2], direction, strict=True)), (x64, w64))
+    for got, want in zip(second, second64, strict=True):
+        assert_grad_close(got, want, dtype, "second derivative")
+    unbiased = x64.detach().var((2, 3), correction=1).mean(0)
+    torch.testing.assert_close(module.running_var.double(), 0.9 + 0.1 * unbiased,
+                               rtol=torch.finfo(dtype).eps, atol=0.0)  # (16-bit buffers)

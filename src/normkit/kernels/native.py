@@ -55,7 +55,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "batch_norm_moments", "batch_norm_by_moments", "batch_norm_eval", "kernel_dtypes",
            "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
            "instance_norm", "instance_norm_rows", "INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS",
-           "layer_norm2d_nchw", "reference_grads",
+           "FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS", "layer_norm2d_nchw", "reference_grads",
            "kernel_params",
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "kernel_node",
@@ -715,6 +715,18 @@ def batch_norm_by_moments(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     return kernel_node(x, weight, bias, y, backward, reference)
 
 
+#: Fewest elements from which float16 InstanceNorm on NCHW runs torch's BatchNorm kernels
+#: on the ``(1, N*C, L)`` view (:func:`instance_norm`) rather than its GroupNorm kernel,
+#: whose float16 version is slow but whose one call (and C++ autograd node) costs less on
+#: small inputs. Two alternated runs of each (``normkit bench instance_norm --dtype
+#: float16 --shapes 3x5x7x9,2x8x16x16,4x16x16x16,8x16x16x16,8x32x16x16,16x32x16x16,
+#: 32x256x14x14,32x64x56x56,8x32x128x128 --threads 1,2 --repeats 7``), the GroupNorm
+#: kernel -> the view with this floor at 0, ratio to torch's InstanceNorm: up to 32768
+#: elements fwd+bwd 0.48-0.64x -> 0.32-0.47x, at 65536 and 131072 0.52-0.63x ->
+#: 0.44-0.71x (even), from 802816 0.32-0.76x -> 0.83-0.92x.
+FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS = 1 << 17
+
+
 def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                   eps: float, stats: bool = True
                   ) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
@@ -728,7 +740,12 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     1.1-1.5x the engine, forward 3.1-3.9x and 1.6-1.7x (32x64x56x56, 32x256x14x14,
     8x32x128x128, 1 and 2 threads). Its bound is the NCHW GroupNorm one. 16-bit input
     too (with parameters of its dtype or float32: the kernel's mixed-dtype path), whose
-    statistics come back in float32 where the kernel computes them so.
+    statistics come back in float32 where the kernel computes them so -- except float16
+    from :data:`FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS`, for which torch's GroupNorm kernels
+    are slower than its BatchNorm kernels: there the statistics kernel and the inference
+    kernel on the ``(1, N*C, L)``
+    view (:func:`batch_norm_moments`, :func:`batch_norm_by_moments`), as torch's own
+    InstanceNorm does (RESULTS.md, "InstanceNorm on channels-last 16-bit input").
 
     Example:
         >>> y, mean, var = instance_norm(torch.randn(2, 3, 8, 8) + 5.0, None, None, 1e-5)
@@ -738,6 +755,19 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     if not _plain_dense(x) or x.dim() < 3 or not kernel_dtypes(x, weight, bias):
         return None
     n, c = x.shape[:2]
+    if x.dtype == torch.float16 and x.numel() >= FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS:
+        # torch's float16 GroupNorm kernels are the slow ones (its bfloat16 ones are not):
+        # its BatchNorm kernels on the (1, N*C, L) view instead, as torch's InstanceNorm
+        # runs, each slice a channel
+        view = x.view(1, n * c, -1)
+        moments = batch_norm_moments(view, eps)  # (float32; the bound of NCHW BatchNorm)
+        if moments is None:
+            return None
+        mean, var, invstd = moments
+        y = batch_norm_by_moments(view, None if weight is None else weight.repeat(n),
+                                  None if bias is None else bias.repeat(n), mean, var,
+                                  invstd, eps).view(x.shape)
+        return (y, mean.view(n, c), var.view(n, c)) if stats else (y, None, None)
     weight, bias = kernel_params(x, (c,), weight, bias)  # (16-bit x: float32 statistics)
     y, mean, rstd = group_norm_kernel(x, weight, bias, c, eps)
     if not well_conditioned(mean, rstd, THRESHOLDS["group_norm"]):
