@@ -283,11 +283,13 @@ def test_16bit_input_takes_torchs_kernels_past_float32_limits(name, dtype, param
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_16bit_inplace_abn_with_float32_parameters_takes_torchs_kernel(dtype, layout,
-                                                                      monkeypatch):
-    """In-Place ABN on 16-bit input (autocast: float32 parameters) takes torch's fused
-    kernel, whose statistics come back in float32 (its backward recovers the input from
-    the 16-bit output with them); with 16-bit parameters it keeps its float32 core."""
+def test_16bit_inplace_abn_takes_torchs_kernel_with_float32_statistics(dtype, layout,
+                                                                        monkeypatch):
+    """In-Place ABN on 16-bit input takes torch's fused kernel with float32 parameters
+    (autocast's, or float32 stand-ins for a 16-bit module's), whose statistics come back
+    in float32: its backward recovers the input from the 16-bit output with them. (With
+    16-bit parameters it took normkit's compensated core until the stand-ins, several
+    times slower; RESULTS.md "In-Place ABN of 16-bit modules".)"""
     from oracle import GRAD_TOL, assert_close
 
     from normkit.norms import fused
@@ -309,8 +311,8 @@ def test_16bit_inplace_abn_with_float32_parameters_takes_torchs_kernel(dtype, la
             module.bias.copy_(torch.randn(5, generator=gen))
         leaf = x.detach().clone().requires_grad_()
         z = module(leaf * 1)
-        served = bool(calls) and calls[-1] is not None
-        assert served == (param_dtype == torch.float32), (param_dtype, calls)
+        assert calls and calls[-1] is not None, (param_dtype, calls)
+        assert calls[-1][1].dtype == torch.float32  # (the statistics)
         calls.clear()
         ref_x = x.detach().double().requires_grad_()
         w64, b64 = (p.detach().double().requires_grad_() for p in (module.weight,

@@ -281,40 +281,6 @@ def test_batch_norm_act_rejected_kernel_updates_running_statistics_once(offset, 
     assert float((z.double() - ref).abs().max().detach()) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("act", INVERTIBLE_ACTIVATIONS)
-def test_inplace_abn_16bit_parameters_take_the_kernel_with_float32_statistics(
-        dtype, layout, act, monkeypatch):
-    """In-Place ABN of a 16-bit module (16-bit parameters: ``model.bfloat16()``) takes
-    torch's kernel with float32 stand-in parameters, whose float32 statistics its backward
-    recovers the input with -- not torch's 16-bit-statistics route of plain BatchNorm, and
-    no longer normkit's compensated core (several times slower). Output and gradients
-    equal float64."""
-    from normkit.norms import fused
-
-    served = []
-    real = fused._fast_batch_norm_16bit
-    monkeypatch.setattr(fused, "_fast_batch_norm_16bit",
-                        lambda *a: served.append(real(*a)) or served[-1])
-    bn = BatchNormAct2d(5, act=act, memory="inplace", negative_slope=0.1, alpha=0.8)
-    with torch.no_grad():
-        bn.weight.copy_(torch.rand(5, generator=torch.Generator().manual_seed(3)) + 0.5)
-        bn.bias.copy_(torch.randn(5, generator=torch.Generator().manual_seed(4)) * 0.3)
-    bn = bn.to(dtype)
-    x0 = make_input((6, 5, 4, 5), dtype, layout, seed=1, scale=2.0, offset=0.5)
-    leaf = x0.clone().requires_grad_()
-    z = bn(leaf * 1)
-    assert served and served[0] is not None and served[0][1].dtype == torch.float32
-    x64, w64, b64 = leaf64(x0), leaf64(bn.weight), leaf64(bn.bias)
-    ref = bn_act64(x64, w64, b64, act, negative_slope=0.1, alpha=0.8)
-    assert_close(z, ref, dtype)
-    dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    check_grads(grads_of(z, [leaf, bn.weight, bn.bias], dz.to(dtype)),
-                grads_of(ref, [x64, w64, b64], dz), dtype, ["dx", "dweight", "dbias"])
-    assert bn.weight.grad is None  # (autograd.grad: nothing accumulated)
-
-
 @pytest.mark.parametrize("cls, shape", [(BatchNormAct1d, (7, 4)), (BatchNormAct1d, (5, 4, 6)),
                                         (BatchNormAct3d, (3, 4, 2, 3, 5))],
                          ids=["1d-2D", "1d-3D", "3d"])
