@@ -58,7 +58,8 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS", "layer_norm2d_nchw", "reference_grads",
            "kernel_params",
            "half_statistics", "HALF_STATISTICS_RATIO",
-           "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "kernel_node",
+           "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "HALF_BACKWARD_ONE_CALL_BELOW",
+           "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
@@ -226,6 +227,15 @@ def half_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None) -> bo
 
 #: Bytes of float32 rows per block in :func:`layer_norm_backward` of 16-bit input.
 HALF_BACKWARD_BLOCK_BYTES = 2 << 20
+#: Fewer elements than this, :func:`layer_norm_backward` of 16-bit input takes all three
+#: gradients from one float32 kernel call on upcast copies, not ``dx`` from the 16-bit
+#: kernel and the parameters' from float32 blocks (a dozen more small calls). Two
+#: alternated runs of each (``normkit bench layer_norm add_layer_norm --dtype bfloat16
+#: --shapes 7x33,64x768,256x768,512x1024 --threads 1,2 --repeats 7``), blocks -> one call
+#: for every input of one block, fwd+bwd: 7x33 0.20-0.28x -> 0.24-0.42x, 64x768 (49152
+#: elements) 0.30-0.47x -> 0.39-0.56x torch, but 256x768 and 512x1024 0.49-0.81x ->
+#: 0.49-0.71x (upcasting the whole input costs more there than the calls).
+HALF_BACKWARD_ONE_CALL_BELOW = 1 << 16
 
 
 def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Tensor,
@@ -267,15 +277,27 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
                              None if bias is None else bias.reshape(k))
     need_w, need_b = mask[1] and weight is not None, mask[2] and bias is not None
     dx = dw = db = None
-    if mask[0]:
-        dx = _ATEN.native_layer_norm_backward(g, rows, (k,), mean, rstd, w, b,
-                                              [True, False, False])[0].view(x.shape)
-    if need_w:
-        dw, db = _layer_norm_param_grads(g, rows, mean, rstd, w, b, need_b)
-    elif need_b:
-        db = torch.sum(g, 0, dtype=torch.float32)
+    if mask[0] and (need_w or need_b) and m * k < HALF_BACKWARD_ONE_CALL_BELOW:
+        # small: all three from one float32 call (dx rounded once, as the 16-bit kernel's),
+        # the fixed cost of the calls below being most of the time there
+        dx, dw, db = _ATEN.native_layer_norm_backward(g.float(), rows.float(), (k,), mean,
+                                                      rstd, w, b, [True, need_w, need_b])
+        dx = dx.to(x.dtype).view(x.shape)
+    else:
+        if mask[0]:
+            dx = _ATEN.native_layer_norm_backward(g, rows, (k,), mean, rstd, w, b,
+                                                  [True, False, False])[0].view(x.shape)
+        if need_w:
+            dw, db = _layer_norm_param_grads(g, rows, mean, rstd, w, b, need_b)
+        elif need_b:
+            db = torch.sum(g, 0, dtype=torch.float32)
     return (dx, None if dw is None else dw.view(weight.shape).to(weight.dtype),
             None if db is None else db.view(bias.shape).to(bias.dtype))
+
+
+def _half_backward_rows(k: int) -> int:
+    """Rows of width ``k`` per float32 block of :func:`layer_norm_backward`."""
+    return max(1, HALF_BACKWARD_BLOCK_BYTES // (4 * k))
 
 
 def _layer_norm_param_grads(g: Tensor, rows: Tensor, mean: Tensor, rstd: Tensor, w: Tensor,
@@ -283,7 +305,7 @@ def _layer_norm_param_grads(g: Tensor, rows: Tensor, mean: Tensor, rstd: Tensor,
     """LayerNorm's float32 weight (and bias) gradients of 16-bit ``(M, K)`` rows: torch's
     float32 kernel a block of rows at a time (:func:`layer_norm_backward`)."""
     m, k = rows.shape
-    step = min(m, max(1, HALF_BACKWARD_BLOCK_BYTES // (4 * k)))
+    step = min(m, _half_backward_rows(k))
     g32 = torch.empty(step, k, dtype=torch.float32, device=rows.device)
     x32 = torch.empty_like(g32)
     dw = torch.zeros(k, dtype=torch.float32, device=rows.device)
