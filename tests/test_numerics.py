@@ -740,3 +740,44 @@ def test_16bit_nchw_instance_norm_kernels(dtype, offset, monkeypatch):
     unbiased = x64.detach().var((2, 3), correction=1).mean(0)
     torch.testing.assert_close(module.running_var.double(), 0.9 + 0.1 * unbiased,
                                rtol=torch.finfo(dtype).eps, atol=0.0)  # (16-bit buffers)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("offset", [0.5, 10.0], ids=["centered", "past-the-bound"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_16bit_nchw_layer_norm2d_inference(dtype, offset, affine, monkeypatch):
+    """LayerNorm2d of NCHW 16-bit input without a gradient normalizes each sample's
+    ``(C, L)`` matrix in float32 and rounds once into the output (no transposing copies)
+    where the statistics kernel's bound allows (|mean| / std <= 4; past it, 10 std here,
+    the channels-innermost copy); with a gradient the copy path serves. Output equals
+    float64 within the 16-bit tolerance, in NCHW."""
+    from oracle import normalize64
+
+    import normkit
+    from normkit.kernels import native
+
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)  # (small input)
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE", (0, 0))
+    served = []
+    real = native._layer_norm2d_nchw_16bit
+    monkeypatch.setattr(native, "_layer_norm2d_nchw_16bit",
+                        lambda *a: served.append(real(*a)) or served[-1])
+    gen = torch.Generator().manual_seed(3)
+    module = normkit.LayerNorm2d(16, elementwise_affine=affine)
+    if affine:
+        with torch.no_grad():
+            module.weight.copy_(torch.rand(16, generator=gen) + 0.5)
+            module.bias.copy_(torch.randn(16, generator=gen))
+    module = module.to(dtype)
+    x = (torch.randn(4, 16, 9, 10, generator=gen, dtype=torch.float64) * 2 + 2 * offset)
+    x = x.to(dtype)
+    with torch.no_grad():
+        y = module(x)
+    assert len(served) == 1 and (served[0] is not None) == (offset < 4)
+    assert y.dtype == dtype and y.is_contiguous()
+    view = (1, 16, 1, 1)
+    params = [p.detach().double().view(view) for p in module.parameters()]
+    assert_close(y, normalize64(x.double(), (1,), *params, eps=module.eps), dtype)
+    served.clear()
+    module(x.requires_grad_())  # a gradient to come: the copy path
+    assert not served

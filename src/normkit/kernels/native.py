@@ -1116,6 +1116,18 @@ LAYER_NORM2D_MIN_POSITIONS = (64, 256)
 #: 48 (so 7 x 7 images take this path); with more it stays at 256: at 14 x 14 the layer
 #: (``normkit bench layer_norm2d``) showed no gain in four alternated runs.
 LAYER_NORM2D_MIN_POSITIONS_INFERENCE = (48, 256)
+#: The floors of float16/bfloat16 input, which this path serves without a gradient only
+#: (:func:`_layer_norm2d_nchw_16bit`: three calls per sample, not one). Two alternated
+#: runs of each (``normkit bench layer_norm2d --dtype bfloat16 --shapes 64x128x7x7,
+#: 32x256x14x14,32x128x28x28,32x64x56x56,8x96x56x56 --threads 1,2 --repeats 7``), the
+#: copy path -> this path at the float32 floors, forward: 1 thread 7 x 7 0.62-0.67x ->
+#: 0.27x torch, 14 x 14 0.62-0.63x -> 0.57-0.68x, 28 x 28 0.63x -> 0.77-0.88x, 56 x 56
+#: 0.63-0.67x -> 0.91-1.12x; 2 threads 28 x 28 0.57-0.62x -> 0.58-0.69x, 56 x 56
+#: 0.61-0.67x -> 0.66-0.90x. float16 (the same command, ``--dtype float16``, without
+#: 7 x 7): 1 thread 14 x 14 0.58-0.61x -> 0.57-0.60x, 28 x 28 0.60-0.62x -> 0.81-0.96x,
+#: 56 x 56 0.62-0.67x -> 0.85-1.11x; 2 threads 28 x 28 0.57-0.62x -> 0.54-0.67x, 56 x 56
+#: 0.63-0.68x -> 0.59-0.89x. So 512 positions with one thread, 2048 with more.
+LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE = (512, 2048)
 
 
 def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:
@@ -1183,6 +1195,45 @@ class _ColumnNormFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
+def _layer_norm2d_nchw_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                            eps: float) -> Tensor | None:
+    """:func:`layer_norm2d_nchw` of float16/bfloat16 input without a gradient: per sample
+    the float32 statistics of each position over the channels (torch's statistics kernel
+    on the ``(C, L)`` matrix, float32 stand-in buffers), the float32 normalized matrix
+    (one ``addcmul``, in cache), then the affine written into the 16-bit output (one
+    ``addcmul``): one rounding, as torch's LayerNorm on the channels-innermost copy,
+    without the copies there and back (from
+    :data:`LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE` positions).
+
+    Example:
+        >>> x = torch.randn(2, 8, 32, 32).bfloat16()
+        >>> y = _layer_norm2d_nchw_16bit(x, None, None, 1e-6)
+        >>> ref = torch.nn.functional.layer_norm(x.float().permute(0, 2, 3, 1), (8,),
+        ...                                      eps=1e-6).permute(0, 3, 1, 2)
+        >>> bool((y.float() - ref).abs().max() <= 0.02), y.dtype, y.is_contiguous()
+        (True, torch.bfloat16, True)
+    """
+    n, c = x.shape[:2]
+    v = x.view(n, c, -1)
+    length = v.shape[2]
+    zero = x.new_zeros(length, dtype=torch.float32)
+    one = x.new_ones(length, dtype=torch.float32)
+    moments = [torch.batch_norm_update_stats(v[i], zero, one, 0.0) for i in range(n)]
+    mean = torch.stack([m for m, _ in moments])  # (N, L)
+    invstd = torch.stack([s for _, s in moments]).add_(eps).rsqrt_()
+    if not well_conditioned(mean, invstd, THRESHOLDS["batch_norm_channels_last"]):
+        return None
+    shift = mean.mul_(invstd).neg_()  # (-mean * invstd, per position)
+    w, b = kernel_params(x, (c,), weight, bias)
+    w, b = w.view(c, 1), (torch.zeros_like(w) if b is None else b).view(c, 1)
+    y = torch.empty_like(x)
+    out = y.view(n, c, length)
+    for i in range(n):
+        xhat = torch.addcmul(shift[i], v[i], invstd[i])  # (C, L) float32
+        torch.addcmul(b, xhat, w, out=out[i])
+    return y
+
+
 def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
                       reference) -> Tensor | None:
     """LayerNorm over the channels of contiguous ``(N, C, *)`` input, else ``None``.
@@ -1204,14 +1255,19 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
         >>> torch.allclose(y, ref.permute(0, 3, 1, 2), atol=1e-5)
         True
     """
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, weight, bias)):
-        floor = LAYER_NORM2D_MIN_POSITIONS[torch.get_num_threads() > 1]
-    else:
-        floor = LAYER_NORM2D_MIN_POSITIONS_INFERENCE[torch.get_num_threads() > 1]
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, weight, bias))
+    floors = LAYER_NORM2D_MIN_POSITIONS if grad else LAYER_NORM2D_MIN_POSITIONS_INFERENCE
+    half = x.dtype in _HALF
+    if half:
+        floors = LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE
     if (not _plain_dense(x) or x.dim() < 3 or x.numel() < LAYER_NORM2D_MIN_ELEMENTS
-            or x.shape[2:].numel() < floor
-            or x.dtype not in (torch.float32, torch.float64)
+            or x.shape[2:].numel() < floors[torch.get_num_threads() > 1]):
+        return None
+    if half:  # (without a gradient only: the copy path's backward serves the others)
+        return (None if grad or not kernel_dtypes(x, weight, bias) else
+                _layer_norm2d_nchw_16bit(x, weight, bias, eps))
+    if (x.dtype not in (torch.float32, torch.float64)
             or any(p is not None and p.dtype != x.dtype for p in (weight, bias))):
         return None
     n, c = x.shape[:2]
