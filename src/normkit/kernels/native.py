@@ -765,9 +765,9 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     statistics come back in float32 where the kernel computes them so -- except float16
     from :data:`FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS`, for which torch's GroupNorm kernels
     are slower than its BatchNorm kernels: there the statistics kernel and the inference
-    kernel on the ``(1, N*C, L)``
-    view (:func:`batch_norm_moments`, :func:`batch_norm_by_moments`), as torch's own
-    InstanceNorm does (RESULTS.md, "InstanceNorm on channels-last 16-bit input").
+    kernel on the ``(1, N*C, L)`` view (:func:`batch_norm_moments`,
+    :func:`batch_norm_by_moments`), as torch's own InstanceNorm does (RESULTS.md,
+    "Float16 InstanceNorm on NCHW").
 
     Example:
         >>> y, mean, var = instance_norm(torch.randn(2, 3, 8, 8) + 5.0, None, None, 1e-5)
