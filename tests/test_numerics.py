@@ -744,13 +744,14 @@ def test_16bit_nchw_instance_norm_kernels(dtype, offset, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("offset", [0.5, 10.0], ids=["centered", "past-the-bound"])
-@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
-def test_16bit_nchw_layer_norm2d_inference(dtype, offset, affine, monkeypatch):
-    """LayerNorm2d of NCHW 16-bit input without a gradient normalizes each sample's
-    ``(C, L)`` matrix in float32 and rounds once into the output (no transposing copies)
-    where the statistics kernel's bound allows (|mean| / std <= 4; past it, 10 std here,
-    the channels-innermost copy); with a gradient the copy path serves. Output equals
-    float64 within the 16-bit tolerance, in NCHW."""
+@pytest.mark.parametrize("needs", ["none", "all", "input-only", "params-only", "plain"])
+def test_16bit_nchw_layer_norm2d(dtype, offset, needs, monkeypatch):
+    """LayerNorm2d of NCHW 16-bit input normalizes each sample's ``(C, L)`` matrix in
+    float32 and rounds once into the output (no transposing copies), its backward per
+    sample in float32 too, where the statistics kernel's bound allows (|mean| / std <= 4;
+    past it, 10 std here, the channels-innermost copy). Output, gradients (of every
+    subset of inputs; torch's own 16-bit LayerNorm sums the weight gradient in 16 bits)
+    and second derivatives equal float64, the output in NCHW."""
     from oracle import normalize64
 
     import normkit
@@ -758,11 +759,13 @@ def test_16bit_nchw_layer_norm2d_inference(dtype, offset, affine, monkeypatch):
 
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)  # (small input)
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE", (0, 0))
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS_16BIT", (0, 0))
     served = []
     real = native._layer_norm2d_nchw_16bit
     monkeypatch.setattr(native, "_layer_norm2d_nchw_16bit",
                         lambda *a: served.append(real(*a)) or served[-1])
     gen = torch.Generator().manual_seed(3)
+    affine = needs != "plain"
     module = normkit.LayerNorm2d(16, elementwise_affine=affine)
     if affine:
         with torch.no_grad():
@@ -770,14 +773,33 @@ def test_16bit_nchw_layer_norm2d_inference(dtype, offset, affine, monkeypatch):
             module.bias.copy_(torch.randn(16, generator=gen))
     module = module.to(dtype)
     x = (torch.randn(4, 16, 9, 10, generator=gen, dtype=torch.float64) * 2 + 2 * offset)
-    x = x.to(dtype)
-    with torch.no_grad():
-        y = module(x)
+    x = x.to(dtype).requires_grad_(needs in ("all", "input-only", "plain"))
+    for p in module.parameters():
+        p.requires_grad_(needs in ("all", "params-only"))
+    y = module(x)
     assert len(served) == 1 and (served[0] is not None) == (offset < 4)
     assert y.dtype == dtype and y.is_contiguous()
     view = (1, 16, 1, 1)
-    params = [p.detach().double().view(view) for p in module.parameters()]
-    assert_close(y, normalize64(x.double(), (1,), *params, eps=module.eps), dtype)
-    served.clear()
-    module(x.requires_grad_())  # a gradient to come: the copy path
-    assert not served
+    x64 = x.detach().double().requires_grad_(x.requires_grad)
+    params = [p.detach().double().requires_grad_(p.requires_grad)
+              for p in module.parameters()]
+    ref = normalize64(x64, (1,), *(p.view(view) for p in params), eps=module.eps)
+    assert_close(y, ref, dtype)
+    if needs == "none":
+        return
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
+    inputs64 = [t for t in (x64, *params) if t.requires_grad]
+    first = torch.autograd.grad(y, inputs, dy.to(dtype), create_graph=needs == "all")
+    first64 = torch.autograd.grad(ref, inputs64, dy, create_graph=needs == "all")
+    for got, want in zip(first, first64, strict=True):
+        assert_grad_close(got.detach(), want.detach(), dtype)
+    if needs == "all":  # second derivatives: through float32 math, against float64
+        direction = [torch.randn(t.shape, generator=gen, dtype=torch.float64)
+                     for t in first[:2]]
+        second = torch.autograd.grad(sum((g.double() * v).sum() for g, v in zip(
+            first[:2], direction, strict=True)), inputs[:2])
+        second64 = torch.autograd.grad(sum((g * v).sum() for g, v in zip(
+            first64[:2], direction, strict=True)), inputs64[:2])
+        for got, want in zip(second, second64, strict=True):
+            assert_grad_close(got, want, dtype, "second derivative")

@@ -1116,7 +1116,7 @@ LAYER_NORM2D_MIN_POSITIONS = (64, 256)
 #: 48 (so 7 x 7 images take this path); with more it stays at 256: at 14 x 14 the layer
 #: (``normkit bench layer_norm2d``) showed no gain in four alternated runs.
 LAYER_NORM2D_MIN_POSITIONS_INFERENCE = (48, 256)
-#: The floors of float16/bfloat16 input, which this path serves without a gradient only
+#: The floors of float16/bfloat16 input without a gradient
 #: (:func:`_layer_norm2d_nchw_16bit`: three calls per sample, not one). Two alternated
 #: runs of each (``normkit bench layer_norm2d --dtype bfloat16 --shapes 64x128x7x7,
 #: 32x256x14x14,32x128x28x28,32x64x56x56,8x96x56x56 --threads 1,2 --repeats 7``), the
@@ -1128,6 +1128,15 @@ LAYER_NORM2D_MIN_POSITIONS_INFERENCE = (48, 256)
 #: 56 x 56 0.62-0.67x -> 0.85-1.11x; 2 threads 28 x 28 0.57-0.62x -> 0.54-0.67x, 56 x 56
 #: 0.63-0.68x -> 0.59-0.89x. So 512 positions with one thread, 2048 with more.
 LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE = (512, 2048)
+#: The same with a gradient to come: 512 positions with one thread, never with more.
+#: Two alternated runs of each (``normkit bench layer_norm2d --dtype bfloat16 --shapes
+#: 64x128x7x7,32x256x14x14,32x128x28x28,32x64x56x56,8x96x56x56 --threads 1,2 --repeats
+#: 7``), the copy path -> this path at every size, forward+backward: 1 thread 7 x 7
+#: 0.74-0.83x -> 0.22-0.24x torch, 14 x 14 0.85-0.87x -> 0.81-0.85x, 28 x 28 0.85-0.88x
+#: -> 0.91-1.06x, 56 x 56 0.85-0.93x -> 0.94-1.08x; 2 threads slower at every size
+#: (0.81-0.93x -> 0.74-0.88x at 56 x 56, 0.87-0.89x -> 0.52-0.74x at 28 x 28: three
+#: kernel calls per sample, each a parallel loop of its own).
+LAYER_NORM2D_MIN_POSITIONS_16BIT = (512, float("inf"))
 
 
 def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:
@@ -1197,13 +1206,18 @@ class _ColumnNormFunction(torch.autograd.Function):
 
 def _layer_norm2d_nchw_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                             eps: float) -> Tensor | None:
-    """:func:`layer_norm2d_nchw` of float16/bfloat16 input without a gradient: per sample
-    the float32 statistics of each position over the channels (torch's statistics kernel
-    on the ``(C, L)`` matrix, float32 stand-in buffers), the float32 normalized matrix
-    (one ``addcmul``, in cache), then the affine written into the 16-bit output (one
+    """:func:`layer_norm2d_nchw` of float16/bfloat16 input: per sample the float32
+    statistics of each position over the channels (torch's statistics kernel on the
+    ``(C, L)`` matrix, float32 stand-in buffers), the float32 normalized matrix (one
+    ``addcmul``, in cache), then the affine written into the 16-bit output (one
     ``addcmul``): one rounding, as torch's LayerNorm on the channels-innermost copy,
-    without the copies there and back (from
-    :data:`LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE` positions).
+    without the copies there and back. The backward, per sample too and in float32
+    (:func:`kernel_node`): the weight and bias gradients as two sums over the positions
+    in one call of torch's BatchNorm backward kernel (reductions only, on the ``(1, C, L)``
+    view), the input's by the same kernel on the ``(C, L)`` matrix -- each position a
+    BatchNorm channel whose statistics are the normalized input's (mean 0, ``1/std`` 1)
+    and whose weight is the position's ``1/std`` -- from ``dy * weight``; unlike torch's
+    16-bit LayerNorm backward, which sums the weight gradient in 16 bits.
 
     Example:
         >>> x = torch.randn(2, 8, 32, 32).bfloat16()
@@ -1214,7 +1228,7 @@ def _layer_norm2d_nchw_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | No
         (True, torch.bfloat16, True)
     """
     n, c = x.shape[:2]
-    v = x.view(n, c, -1)
+    v = x.detach().view(n, c, -1)
     length = v.shape[2]
     zero = x.new_zeros(length, dtype=torch.float32)
     one = x.new_ones(length, dtype=torch.float32)
@@ -1224,14 +1238,46 @@ def _layer_norm2d_nchw_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | No
     if not well_conditioned(mean, invstd, THRESHOLDS["batch_norm_channels_last"]):
         return None
     shift = mean.mul_(invstd).neg_()  # (-mean * invstd, per position)
-    w, b = kernel_params(x, (c,), weight, bias)
-    w, b = w.view(c, 1), (torch.zeros_like(w) if b is None else b).view(c, 1)
-    y = torch.empty_like(x)
-    out = y.view(n, c, length)
-    for i in range(n):
-        xhat = torch.addcmul(shift[i], v[i], invstd[i])  # (C, L) float32
-        torch.addcmul(b, xhat, w, out=out[i])
-    return y
+    with torch.no_grad():
+        w, b = kernel_params(x, (c,), weight, bias)
+        w, b = w.view(c, 1), (torch.zeros_like(w) if b is None else b).view(c, 1)
+        y = torch.empty_like(x)
+        out = y.view(n, c, length)
+        for i in range(n):
+            xhat = torch.addcmul(shift[i], v[i], invstd[i])  # (C, L) float32
+            torch.addcmul(b, xhat, w, out=out[i])
+
+    def backward(dy, x, weight, bias, mask):
+        w32 = kernel_params(x, (c,), weight, bias)[0].view(c, 1)
+        unit = x.new_ones(c, dtype=torch.float32)
+        g = dy.contiguous().view(n, c, length)
+        v = x.view(n, c, length)
+        dx = torch.empty_like(x) if mask[0] else None
+        sums = []
+        for i in range(n):
+            g32 = g[i].float()
+            xhat = torch.addcmul(shift[i], v[i], invstd[i])
+            if mask[1] or mask[2]:  # sum_l dy * xhat and sum_l dy per channel
+                sums.append(_ATEN.native_batch_norm_backward(
+                    g32[None], xhat[None], unit, None, None, torch.zeros_like(unit), unit,
+                    True, 0.0, [False, mask[1], mask[2]]))
+            if dx is not None:
+                dx.view(n, c, length)[i].copy_(_ATEN.native_batch_norm_backward(
+                    g32.mul_(w32), xhat, invstd[i], None, None, zero, one, True, 0.0,
+                    [True, False, False])[0])
+        dw = (torch.stack([s[1] for s in sums]).sum(0).to(weight.dtype)
+              if mask[1] and weight is not None else None)
+        db = (torch.stack([s[2] for s in sums]).sum(0).to(bias.dtype)
+              if mask[2] and bias is not None else None)
+        return dx, dw, db
+
+    def reference(x, weight, bias):  # torch's LayerNorm in float32 over the channels
+        weight = weight_for_bias(weight, bias)
+        return torch.nn.functional.layer_norm(
+            x.float().movedim(1, -1), (c,), _float32(weight), _float32(bias),
+            eps).movedim(-1, 1).to(x.dtype)
+
+    return kernel_node(x, weight, bias, y, backward, reference)
 
 
 def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
@@ -1260,13 +1306,14 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
     floors = LAYER_NORM2D_MIN_POSITIONS if grad else LAYER_NORM2D_MIN_POSITIONS_INFERENCE
     half = x.dtype in _HALF
     if half:
-        floors = LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE
+        floors = (LAYER_NORM2D_MIN_POSITIONS_16BIT if grad else
+                  LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE)
     if (not _plain_dense(x) or x.dim() < 3 or x.numel() < LAYER_NORM2D_MIN_ELEMENTS
             or x.shape[2:].numel() < floors[torch.get_num_threads() > 1]):
         return None
-    if half:  # (without a gradient only: the copy path's backward serves the others)
-        return (None if grad or not kernel_dtypes(x, weight, bias) else
-                _layer_norm2d_nchw_16bit(x, weight, bias, eps))
+    if half:
+        return (_layer_norm2d_nchw_16bit(x, weight, bias, eps)
+                if kernel_dtypes(x, weight, bias) else None)
     if (x.dtype not in (torch.float32, torch.float64)
             or any(p is not None and p.dtype != x.dtype for p in (weight, bias))):
         return None
