@@ -1292,7 +1292,8 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
     sample. The permute + LayerNorm + permute alternative pays two transposing copies.
     Kept under the ``|mean| / std <= 4`` rule of torch's channels-last BatchNorm kernel
     (the same kernel; see the table above); ``reference(x, weight, bias)`` serves double
-    backward.
+    backward. float16/bfloat16 input: :func:`_layer_norm2d_nchw_16bit` (float32 math per
+    sample, one rounding), under its own floors.
 
     Example:
         >>> x = torch.randn(8, 16, 32, 32)
