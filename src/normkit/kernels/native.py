@@ -853,8 +853,12 @@ def instance_norm_rows(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
             or length * c < INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS * torch.get_num_threads()):
         return None
 
-    def rows(t: Tensor) -> list[Tensor]:  # (positions, C) views of each sample
-        return list(t.movedim(1, -1).reshape(n, length, c).unbind(0))
+    def rows(t: Tensor, written: bool = False) -> list[Tensor]:
+        # (positions, C) matrices of each sample: views (an output written through them
+        # must be one, so ``view``, which raises rather than copies; an input may be read
+        # from a copy where its strides of size-1 dims make it one)
+        t = t.movedim(1, -1)
+        return list((t.view if written else t.reshape)(n, length, c).unbind(0))
 
     # (float32 running buffers, momentum 0: float32 statistics, the buffers unchanged)
     zero = x.new_zeros(c, dtype=torch.float32)
@@ -869,7 +873,7 @@ def instance_norm_rows(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
     y = torch.empty_like(x, memory_format=layout)
     unused = x.new_empty(0, dtype=torch.float32)
     with torch.no_grad():
-        for i, (src, dst) in enumerate(zip(rows(x.detach()), rows(y), strict=True)):
+        for i, (src, dst) in enumerate(zip(rows(x.detach()), rows(y, True), strict=True)):
             _ATEN.native_batch_norm.out(src, w, b, mean[i], var[i], False, 0.0, eps,
                                         out=dst, save_mean=unused, save_invstd=unused)
 
@@ -877,7 +881,7 @@ def instance_norm_rows(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
         w = kernel_params(x, (c,), weight, bias)[0]
         grads = [rows(dy.contiguous(memory_format=layout)), rows(x)]
         dx = torch.empty_like(x, memory_format=layout) if mask[0] else None
-        dx_rows = None if dx is None else rows(dx)
+        dx_rows = None if dx is None else rows(dx, True)
         per_sample = []
         for i, (g, v) in enumerate(zip(*grads, strict=True)):
             if dx_rows is None:
