@@ -31,6 +31,25 @@ def fused_rows_node(monkeypatch):
     monkeypatch.setattr(fused, "FUSED_ACT_MIN_ELEMENTS", 0)
 
 
+@pytest.fixture
+def spy(monkeypatch):
+    """``spy(module, name)`` replaces ``module.name`` for the test by a wrapper that calls
+    it and records each result in the list it returns: which route a layer took (a
+    route's function returns ``None`` where it refuses the input)."""
+    def install(module, name: str) -> list:
+        results = []
+        real = getattr(module, name)
+
+        def recorded(*args, **kwargs):
+            results.append(real(*args, **kwargs))
+            return results[-1]
+
+        monkeypatch.setattr(module, name, recorded)
+        return results
+
+    return install
+
+
 def _denormals_flushed() -> bool:
     import torch
 

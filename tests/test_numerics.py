@@ -613,7 +613,8 @@ def test_bias_without_weight_double_backward_batch_norm(op, shape, dtype, layout
     ((4, 6, 9, 11), 0.5, True), ((2, 4, 3, 5, 6), 0.5, True), ((4, 6, 9, 11), 4.0, False)],
     ids=["4d", "5d", "past-the-bound"])
 @pytest.mark.parametrize("needs", ["all", "params-only", "no-weight"])
-def test_16bit_channels_last_instance_norm(dtype, shape, offset, rows, needs, monkeypatch):
+def test_16bit_channels_last_instance_norm(dtype, shape, offset, rows, needs, monkeypatch,
+                                           spy):
     """16-bit channels-last InstanceNorm runs torch's BatchNorm kernels sample by sample
     in its layout (``native.instance_norm_rows``, here at any sample size) where
     BatchNorm's channels-last rule allows (|mean| / std <= 2; past it, 4 std here, an
@@ -625,11 +626,8 @@ def test_16bit_channels_last_instance_norm(dtype, shape, offset, rows, needs, mo
     import normkit
     from normkit.kernels import native
 
-    served = []
-    real = native.instance_norm_rows
     monkeypatch.setattr(native, "INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS", 0)  # (small samples)
-    monkeypatch.setattr(native, "instance_norm_rows",
-                        lambda *a: served.append(real(*a)) or served[-1])
+    served = spy(native, "instance_norm_rows")
     gen = torch.Generator().manual_seed(1)
     c = shape[1]
     affine = needs != "no-weight"
@@ -696,7 +694,7 @@ def test_16bit_channels_last_instance_norm_rows_size_floor(threads, monkeypatch)
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("offset", [0.5, 40.0], ids=["centered", "past-the-bound"])
-def test_16bit_nchw_instance_norm_kernels(dtype, offset, monkeypatch):
+def test_16bit_nchw_instance_norm_kernels(dtype, offset, monkeypatch, spy):
     """NCHW InstanceNorm of float16 input runs torch's BatchNorm statistics and inference
     kernels on the ``(1, N*C, L)`` view (torch's float16 GroupNorm kernels are the slow
     ones), bfloat16 the GroupNorm kernel; past the bound (40 std) the compensated core.
@@ -706,11 +704,8 @@ def test_16bit_nchw_instance_norm_kernels(dtype, offset, monkeypatch):
     import normkit
     from normkit.kernels import native
 
-    served = []
-    real = native.batch_norm_by_moments
     monkeypatch.setattr(native, "FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS", 0)  # (small input)
-    monkeypatch.setattr(native, "batch_norm_by_moments",
-                        lambda *a: served.append(a) or real(*a))
+    served = spy(native, "batch_norm_by_moments")
     gen = torch.Generator().manual_seed(2)
     module = normkit.InstanceNorm2d(6, affine=True, track_running_stats=True)
     with torch.no_grad():
@@ -745,7 +740,7 @@ def test_16bit_nchw_instance_norm_kernels(dtype, offset, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("offset", [0.5, 10.0], ids=["centered", "past-the-bound"])
 @pytest.mark.parametrize("needs", ["none", "all", "input-only", "params-only", "plain"])
-def test_16bit_nchw_layer_norm2d(dtype, offset, needs, monkeypatch):
+def test_16bit_nchw_layer_norm2d(dtype, offset, needs, monkeypatch, spy):
     """LayerNorm2d of NCHW 16-bit input normalizes each sample's ``(C, L)`` matrix in
     float32 and rounds once into the output (no transposing copies), its backward per
     sample in float32 too, where the statistics kernel's bound allows (|mean| / std <= 4;
@@ -760,10 +755,7 @@ def test_16bit_nchw_layer_norm2d(dtype, offset, needs, monkeypatch):
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)  # (small input)
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE", (0, 0))
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS_16BIT", (0, 0))
-    served = []
-    real = native._layer_norm2d_nchw_16bit
-    monkeypatch.setattr(native, "_layer_norm2d_nchw_16bit",
-                        lambda *a: served.append(real(*a)) or served[-1])
+    served = spy(native, "_layer_norm2d_nchw_16bit")
     gen = torch.Generator().manual_seed(3)
     affine = needs != "plain"
     module = normkit.LayerNorm2d(16, elementwise_affine=affine)
