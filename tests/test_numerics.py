@@ -224,13 +224,22 @@ def _layer_norm_16bit_case(kind, dtype, param_dtype, offset):
 @pytest.mark.parametrize("param_dtype", ["float32", "same"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("kind", ["LayerNorm", "LayerNorm2d", "AddLayerNorm"])
-def test_16bit_layer_norm_gradients_within_tolerance(kind, dtype, param_dtype, offset):
+@pytest.mark.parametrize("route", ["blocks", "one-call"])
+def test_16bit_layer_norm_gradients_within_tolerance(kind, dtype, param_dtype, offset, route,
+                                                     monkeypatch, spy):
     """torch's CPU LayerNorm backward on 16-bit input sums the weight and bias gradients
     in 16 bits: 16384 rows put them 14% (bfloat16) and 1.7% (float16) off, while the
     gradient tolerances are 4e-2 and 5e-3 -- and 16-bit parameters had it return 16-bit
     statistics, whose rounding at an offset of 20 std is another 3%. normkit takes the
-    forward from torch's kernel with float32 statistics and the backward in float32
-    blocks (normkit.kernels.native.layer_norm_backward)."""
+    forward from torch's kernel with float32 statistics and the backward in float32:
+    blocks for the parameters' gradients, or below ``HALF_BACKWARD_ONE_CALL_BELOW``
+    elements (here forced at 16384 rows) one float32 call for all three
+    (normkit.kernels.native.layer_norm_backward)."""
+    from normkit.kernels import native
+
+    monkeypatch.setattr(native, "HALF_BACKWARD_ONE_CALL_BELOW",
+                        1 << 40 if route == "one-call" else 0)
+    blocks = spy(native, "_layer_norm_param_grads")
     module, inputs = _layer_norm_16bit_case(kind, dtype, dtype if param_dtype == "same"
                                             else torch.float32, offset)
     leaves = [t.detach().requires_grad_() for t in inputs]
@@ -250,6 +259,7 @@ def test_16bit_layer_norm_gradients_within_tolerance(kind, dtype, param_dtype, o
     var = ((s64 - mean) ** 2).mean(dims, keepdim=True)
     ref = (s64 - mean) / torch.sqrt(var + 1e-5) * w64.view(view) + b64.view(view)
     ref.backward(dy.double())
+    assert bool(blocks) == (route == "blocks")
     assert_close(normed, ref, dtype)
     assert_grad_close(leaves[0].grad, leaves64[0].grad, dtype, "input grad")
     assert_grad_close(module.weight.grad, w64.grad, dtype, "weight grad")
