@@ -26,7 +26,9 @@ the engine's whole channels-last BatchNorm backward against torch's backward ker
 (the table behind ``CHANNELS_LAST_BACKWARD_MAX_COUNT``). ``--stats-kernel`` times the
 engine's BatchNorm statistics against torch's statistics kernel and its fused kernel on
 channels-last input with few values per channel (the table behind
-``native.batch_norm_moments``).
+``native.batch_norm_moments``). ``--group-blocks`` times GroupNorm's channels-last sums
+from the cache blocks against the kernel folds (the table behind
+``GROUP_BLOCK_MIN_SAMPLES``).
 """
 
 from __future__ import annotations
@@ -326,6 +328,45 @@ def backward_ways(threads: list[int], repeats: int) -> None:
                   flush=True)
 
 
+#: Channels-last GroupNorm shapes (32 groups of several channels) whose samples span the
+#: sizes where ``_blocks_of_samples`` switches between the cache blocks and the 256-row
+#: kernel folds with one and two threads (``--group-blocks``).
+GROUP_BLOCK_SHAPES = [(32, 256, 14, 14), (16, 128, 28, 28), (32, 96, 28, 28),
+                      (32, 128, 28, 28), (32, 64, 56, 56), (16, 64, 64, 64),
+                      (32, 96, 56, 56)]
+
+
+def group_blocks(threads: list[int], repeats: int) -> None:
+    """Print, per channels-last GroupNorm shape, the time of its slice sums from the cache
+    blocks (``_blocked_column_sums``) and from torch's kernel on each sample folded to
+    ``FOLD_ROWS_BATCH`` rows (``_kernel_column_sums``), with the whole samples a block
+    holds and the way the engine takes (the table behind ``GROUP_BLOCK_MIN_SAMPLES``)."""
+    print("\nChannels-last GroupNorm slice sums (32 groups): ms per call, cache blocks / "
+          "kernel folds; samples per block; the engine's way\n")
+    print("| threads | shape | sample KiB | samples per block | blocks ms | kernel ms | "
+          "blocks / kernel | engine takes |")
+    print("|---:|---|---:|---:|---:|---:|---:|---|")
+    for threads_now in threads:
+        torch.set_num_threads(threads_now)
+        for shape in GROUP_BLOCK_SHAPES:
+            _, x, _ = _channels_last_inputs(shape, 1.0)
+            cols = channels._columns(x)
+            pool = channels.Pool("group", 32)
+            fold = channels._fold(cols.shape[1], channels._fold_rows(pool, shape[1])) or 1
+            for u, v in zip(channels._blocked_column_sums(cols),
+                            channels._kernel_column_sums(cols, fold), strict=True):
+                torch.testing.assert_close(u, v, rtol=1e-4, atol=1e-3)
+            blocks, kernel = _round_robin_ms(
+                [lambda c=cols: channels._blocked_column_sums(c),
+                 lambda c=cols, f=fold: channels._kernel_column_sums(c, f)], repeats)
+            sample = cols[0].numel() * cols.element_size()
+            per_block = channels.COLUMN_BLOCK_BYTES * threads_now // sample
+            way = "blocks" if channels._blocks_of_samples(cols, pool) else "kernel"
+            print(f"| {threads_now} | {'x'.join(map(str, shape))} | {sample >> 10} | "
+                  f"{per_block} | {blocks:.3f} | {kernel:.3f} | {blocks / kernel:.2f}x | "
+                  f"{way} |", flush=True)
+
+
 #: Channels-last shapes with at most CHANNELS_LAST_MAX_COUNT values per channel, where
 #: torch's BatchNorm sums are accurate under the ratio bound (``--stats-kernel``).
 FEW_VALUES_SHAPES = [(32, 256, 14, 14), (8, 64, 32, 32), (128, 512, 7, 7), (64, 128, 8, 8)]
@@ -392,7 +433,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="time the engine's BatchNorm statistics against torch's "
                              "statistics kernel on channels-last input with few values per "
                              "channel instead")
+    parser.add_argument("--group-blocks", action="store_true",
+                        help="time GroupNorm's channels-last sums from the cache blocks "
+                             "against the kernel folds instead")
     args = parser.parse_args(argv)
+    if args.group_blocks:
+        group_blocks(args.threads, args.repeats)
+        return
     if args.stats_kernel:
         stats_kernel(args.threads, args.repeats)
         return

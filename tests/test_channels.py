@@ -295,12 +295,15 @@ def _channels_last_layer_equals_float64(name, x64, gen, threads=None):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("sample_bytes", "blocks"), [
-    ((1 << 20) // 4, True), ((1 << 20) // 4 + 4, False), ((1 << 20) // 2, False)])
+    ((1 << 20) // 4, True), ((1 << 20) // 4 + 8, False), ((1 << 20) // 3, False),
+    ((1 << 20) // 2, False)])
 def test_batch_norm_sums_take_the_blocks_only_for_small_samples(threads, sample_bytes,
                                                                 blocks):
     """BatchNorm's channels-last sums take the cache blocks only where a block holds at
     least BATCH_BLOCK_MIN_SAMPLES whole samples per thread (else the 256-row kernel
-    folds); GroupNorm/InstanceNorm from two samples, one per thread."""
+    folds); GroupNorm over one channel per group and InstanceNorm (64-row folds) from
+    two samples, one per thread; GroupNorm over several channels per group (256-row
+    folds) from GROUP_BLOCK_MIN_SAMPLES samples, and one per thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -311,6 +314,12 @@ def test_batch_norm_sums_take_the_blocks_only_for_small_samples(threads, sample_
         step = channels.COLUMN_BLOCK_BYTES * threads // sample_bytes
         assert channels._blocks_of_samples(cols, channels.Pool("group", 1)) == (
             step >= max(threads, 2))
+        assert channels._blocks_of_samples(cols, channels.Pool("instance")) == (
+            step >= max(threads, 2))
+        wide = torch.empty(2, sample_bytes // 8, 2)  # two channels in one group
+        assert channels._fold_rows(channels.Pool("group", 1), 2) == channels.FOLD_ROWS_BATCH
+        assert channels._blocks_of_samples(wide, channels.Pool("group", 1)) == (
+            step >= max(threads, channels.GROUP_BLOCK_MIN_SAMPLES))
     finally:
         torch.set_num_threads(before)
 

@@ -264,18 +264,33 @@ def _blocks_of_samples(cols: Tensor, pool: Pool) -> bool:
     64x64x16x16 0.59 / 0.30; two threads 0.88 / 1.47, 0.48 / 0.87, 0.53 / 0.62,
     0.72 / 1.35, 0.23 / 0.16, 0.64 / 0.20. A block of four samples per thread or more
     (the last two shapes) takes the blocks, fewer the kernel: the faster way in each row.
+    GroupNorm pooling several channels per group folds to as many rows, and there the
+    blocks need :data:`GROUP_BLOCK_MIN_SAMPLES` samples in all (see there); InstanceNorm
+    (and one channel per group) keeps the 64-row folds and the rule above.
     """
     threads = torch.get_num_threads()
     n, length, c = cols.shape
     step = COLUMN_BLOCK_BYTES * threads // max(length * c * cols.element_size(), 1)
     if pool.kind == "batch":
         return step >= BATCH_BLOCK_MIN_SAMPLES * threads
+    if _fold_rows(pool, c) == FOLD_ROWS_BATCH:  # GroupNorm's 256-row folds
+        return step >= max(threads, GROUP_BLOCK_MIN_SAMPLES)
     return step >= max(threads, 2)
 
 
 #: Fewest whole samples per thread a cache block must hold for BatchNorm's channels-last
 #: sums to take the blocks rather than the kernel's 256-row folds (:func:`_blocks_of_samples`).
 BATCH_BLOCK_MIN_SAMPLES = 4
+#: Fewest whole samples a cache block (:data:`COLUMN_BLOCK_BYTES` per thread) must hold for
+#: GroupNorm's channels-last sums over several channels per group to take the blocks rather
+#: than the kernel's 256-row folds, and at least one per thread (:func:`_blocks_of_samples`).
+#: Blocks / kernel ms, two runs (``benchmarks/column_sums.py --group-blocks``, 32 groups, AMD
+#: EPYC VM): two samples per block 1.10-1.28x (one thread, 28x28) and 1.28-1.58x (two
+#: threads, 32x64x56x56 and 16x64x64x64), three 1.06-1.12x: the kernel is faster; five
+#: 0.98-0.99x (one thread, 14x14) and 0.81-1.12x (two threads, 28x28), six or more
+#: 0.66-0.79x: the blocks. (Two samples, one per thread, was the rule when GroupNorm folded
+#: to 64 rows like InstanceNorm, whose wider folded matrices the blocks still beat there.)
+GROUP_BLOCK_MIN_SAMPLES = 4
 
 
 #: Most rows torch's BatchNorm kernel sums in sequence for :func:`_kernel_column_sums` and the
