@@ -45,8 +45,9 @@ FUSED = [op.name for op in OPS if op.fused]
 DIMS = {"rows": (6, 16), "image": (3, 8, 4, 5)}
 
 ENVIRONMENT_KEYS = {
-    "date", "normkit", "torch", "python", "platform", "cpu_model", "cpu_count", "device",
-    "device_name", "dtype", "param_dtype", "threads", "input", "input_doc",
+    "date", "normkit", "normkit_commit", "torch", "python", "platform", "cpu_model",
+    "cpu_count", "device", "device_name", "dtype", "param_dtype", "threads", "input",
+    "input_doc",
     "copy_bandwidth_gbs",
     "copy_buffer_bytes", "memory_method", "load_average", "allocator",
 }

@@ -11,6 +11,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from . import compare
 from .ops import EXTERNALS, OPS, SHAPE_SETS, get_op, op_names
 from .report import to_json, to_markdown
 from .runner import DTYPES, INPUTS, BenchConfig, errors, plan, run
@@ -37,6 +38,9 @@ exit status: 0 every implementation ran, 1 some failed (listed in the report),
 2 usage error.
 
 example: normkit bench layer_norm rms_norm --threads 1,2 --json bench.json
+
+A change, before and after (each side's runs pooled; run them alternated):
+  normkit bench --compare before-1.json before-2.json --to after-1.json after-2.json
 """
 
 
@@ -61,19 +65,41 @@ def _positive(text: str) -> float:
     return value
 
 
-def _summarize(paths: Sequence[str], parser: argparse.ArgumentParser) -> str:
-    """The targets' verdicts over saved runs, pooled (``--summarize``)."""
+def _load_runs(paths: Sequence[str], option: str,
+               parser: argparse.ArgumentParser) -> list[dict]:
+    """The saved runs (``--json`` files) at ``paths``; a usage error names the bad one."""
     docs = []
     for path in paths:
         try:
             with open(path, encoding="utf-8") as handle:
                 doc = json.load(handle)
         except (OSError, ValueError) as error:
-            parser.error(f"--summarize could not read {path}: {error}")
+            parser.error(f"{option} could not read {path}: {error}")
         if not isinstance(doc, dict) or "results" not in doc or "environment" not in doc:
-            parser.error(f"--summarize expected the JSON of a normkit bench run (--json), got "
+            parser.error(f"{option} expected the JSON of a normkit bench run (--json), got "
                          f"{path} without 'results' and 'environment'")
         docs.append(doc)
+    return docs
+
+
+def _compare(before: Sequence[str], after: Sequence[str] | None, changed_only: bool,
+             parser: argparse.ArgumentParser) -> str:
+    """The rows of saved runs before and after a change, side by side (``--compare``)."""
+    if not after:
+        parser.error("--compare BEFORE.json ... needs --to AFTER.json ...: the runs after "
+                     "the change")
+    try:
+        lines = compare.markdown_lines(_load_runs(before, "--compare", parser),
+                                       _load_runs(after, "--to", parser),
+                                       changed_only=changed_only)
+    except ValueError as error:
+        parser.error(str(error))
+    return "\n".join(lines) + "\n"
+
+
+def _summarize(paths: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """The targets' verdicts over saved runs, pooled (``--summarize``)."""
+    docs = _load_runs(paths, "--summarize", parser)
     lines = markdown_lines(docs)
     if not lines:
         return "No issue #6 target covers these runs.\n"
@@ -135,6 +161,14 @@ def build_parser(prog: str = "normkit bench") -> argparse.ArgumentParser:
     parser.add_argument("--summarize", nargs="+", metavar="JSON",
                         help="measure nothing: print the targets' verdicts over these saved "
                         "runs (--json files), pooled")
+    parser.add_argument("--compare", nargs="+", metavar="JSON",
+                        help="measure nothing: compare saved runs before a change with "
+                             "those after it (--to), row by row: the ratio's range on each "
+                             "side and whether the ranges overlap")
+    parser.add_argument("--to", nargs="+", metavar="JSON",
+                        help="with --compare: the saved runs after the change")
+    parser.add_argument("--changed-only", action="store_true",
+                        help="with --compare: only the rows whose ranges do not overlap")
     parser.add_argument("--json", metavar="FILE",
                         help="write the results as JSON ('-': print it instead of the table)")
     parser.add_argument("--markdown", metavar="FILE", help="write the Markdown table to FILE")
@@ -230,6 +264,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
         return 0
     if args.summarize:
         print(_summarize(args.summarize, parser), end="")
+        return 0
+    if args.compare or args.to:
+        if not args.compare:
+            parser.error("--to needs --compare BEFORE.json ...: the runs before the change")
+        text = _compare(args.compare, args.to, args.changed_only, parser)
+        print(text, end="")
+        if args.markdown is not None:
+            with open(args.markdown, "w", encoding="utf-8") as handle:
+                handle.write(text)
         return 0
     for name in args.ops:
         try:

@@ -130,6 +130,12 @@ def _cells(record: dict, cols: list[str]) -> list[str]:
     return out
 
 
+def _commit_text(env: dict) -> str:
+    """`` at <commit>`` for runs that recorded normkit's git commit, else nothing."""
+    commit = env.get("normkit_commit")
+    return f" at {commit}" if commit else ""
+
+
 def _copy_text(env: dict) -> str:
     bands = env["copy_bandwidth_gbs"]
     return ", ".join(f"{float(gbs):.1f} GB/s at {threads} thread(s)"
@@ -180,7 +186,8 @@ def to_markdown(doc: dict) -> str:
         "",
         f"- machine: {env['device_name']} ({env['cpu_count']} CPUs), {env['platform']}"
         f"{load_text}",
-        f"- software: torch {env['torch']}, normkit {env['normkit']}, Python {env['python']}; "
+        f"- software: torch {env['torch']}, normkit {env['normkit']}"
+        f"{_commit_text(env)}, Python {env['python']}; "
         f"{env['date']}",
         f"- threads: {', '.join(map(str, env['threads']))}; copy bandwidth: {_copy_text(env)}",
         f"- input: {env['input']}, {env['input_doc']}",

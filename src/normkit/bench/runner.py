@@ -18,7 +18,8 @@ JSON document (``schema`` = :data:`SCHEMA`)::
 
     {"schema": "normkit-bench/1",
      "command": "normkit bench --shapes small",          # the exact command line
-     "environment": {"date", "normkit", "torch", "python", "platform", "cpu_model",
+     "environment": {"date", "normkit", "normkit_commit", "torch", "python", "platform",
+                     "cpu_model",
                      "cpu_count", "device", "device_name", "dtype", "param_dtype",
                      "threads": [1],
                      "input", "input_doc", "copy_bandwidth_gbs": {"1": 9.8},
@@ -40,7 +41,9 @@ calls per measurement, ``ratio`` the median per-round ``torch ms / this ms`` (> 
 faster than torch eager) and ``ratio_iqr`` its first and third quartiles, ``gbs`` the
 ideal bytes over the median time, ``pct_copy`` that as a percentage of the copy
 bandwidth, ``memory`` (``fwd+bwd`` only) holds ``peak_bytes``, ``saved_bytes`` and
-``output_bytes`` (see :mod:`normkit.bench.measure`).
+``output_bytes`` (see :mod:`normkit.bench.measure`). ``normkit_commit`` is the git commit
+of the normkit source that ran (:func:`source_commit`; ``None`` outside a git checkout):
+``normkit bench --compare`` shows it for each side (:mod:`normkit.bench.compare`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -244,6 +248,37 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def source_commit() -> str | None:
+    """The git commit normkit runs from, ``"<short hash>+dirty"`` when its package files
+    differ from that commit, or ``None`` when it does not run from a git checkout (an
+    installed wheel; a copy inside some other repository does not count: the package's
+    own files must be tracked there).
+
+    Example:
+        >>> commit = source_commit()
+        >>> commit is None or len(commit.split("+")[0]) >= 7
+        True
+    """
+    import normkit
+
+    package = os.path.dirname(os.path.abspath(normkit.__file__))
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", package, *args], capture_output=True, text=True,
+                              timeout=10, check=False)
+
+    try:
+        tracked = git("ls-files", "--error-unmatch", "__init__.py")
+        head = git("rev-parse", "--short=12", "HEAD")
+        if tracked.returncode != 0 or head.returncode != 0:
+            return None
+        dirty = git("status", "--porcelain", "--", ".")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = head.stdout.strip()
+    return f"{commit}+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else commit
+
+
 def _load_average() -> list[float] | None:
     try:
         return [round(v, 2) for v in os.getloadavg()]
@@ -293,6 +328,7 @@ def environment(config: BenchConfig) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "normkit": normkit.__version__,
+        "normkit_commit": source_commit(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
