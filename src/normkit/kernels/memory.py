@@ -17,6 +17,19 @@ off Linux, or with ``NORMKIT_HUGEPAGES=0`` in the environment. torch's kernels a
 their outputs themselves; for those, torch's own switch ``THP_MEM_ALLOC_ENABLE=1`` (read
 once at start-up) gives every allocation the advice.
 
+With more than one thread, :func:`advise_huge_pages` faults the advised pages in itself,
+one write per 2 MiB from the calling thread. Left to a kernel running on two threads,
+both threads first touch the same fresh huge pages at once, and on the project's VM that
+made those faults ~10x slower whenever the process also allocated and freed other large
+buffers, as every training step does: filling a fresh advised 64 MiB buffer between two
+plain 64 MiB allocations took 80-108 ms with two threads against 7-8 ms with one (and
+16-19 ms unadvised), faulted in first 10 ms (``benchmarks/huge_page_faults.py``); and
+RMSNorm's forward+backward at 4096 x 4096 with two threads fell to 2.17-2.38x torch in
+some runs against 4.05-4.35x with ``NORMKIT_HUGEPAGES=0`` (RESULTS.md, "Huge pages
+faulted in from one thread"). With one
+thread the kernel's own first touch is the fast way (each page is zeroed just before the
+kernel writes it, in cache), so nothing is done ahead then.
+
 The trade-off is the kernel's: with ``/sys/kernel/mm/transparent_hugepage/defrag`` at its
 usual ``madvise``, a fault in an advised range may compact memory to find a free 2 MiB
 page, which on a long-running machine with fragmented memory can stall that fault
@@ -104,7 +117,16 @@ def advise_huge_pages(t: Tensor) -> bool:
     resident = (ctypes.c_ubyte * 1)()  # one page's residency byte
     if mincore(first, _PAGE, resident) != 0 or resident[0] & 1:
         return False
-    return madvise(first, end - first, _MADV_HUGEPAGE) == 0
+    if madvise(first, end - first, _MADV_HUGEPAGE) != 0:
+        return False
+    if torch.get_num_threads() > 1:
+        # fault every huge page in, here, from one thread: one byte written per 2 MiB
+        # (the buffer is uninitialized, so nothing is lost), before a multi-threaded
+        # kernel would first touch each page from several threads at once (see the
+        # module notes; with one thread that costs only its cache: not done)
+        for page in range(first, end, _HUGE_PAGE):
+            ctypes.memset(page, 0, 1)
+    return True
 
 
 def out_like(x: Tensor, dtype: torch.dtype | None = None,
