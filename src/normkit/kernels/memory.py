@@ -17,18 +17,14 @@ off Linux, or with ``NORMKIT_HUGEPAGES=0`` in the environment. torch's kernels a
 their outputs themselves; for those, torch's own switch ``THP_MEM_ALLOC_ENABLE=1`` (read
 once at start-up) gives every allocation the advice.
 
-With more than one thread, :func:`advise_huge_pages` faults the advised pages in itself,
-one write per 2 MiB from the calling thread. Left to a kernel running on two threads,
-both threads first touch the same fresh huge pages at once, and on the project's VM that
-made those faults ~10x slower whenever the process also allocated and freed other large
-buffers, as every training step does: filling a fresh advised 64 MiB buffer between two
-plain 64 MiB allocations took 80-108 ms with two threads against 7-8 ms with one (and
-16-19 ms unadvised), faulted in first 10 ms (``benchmarks/huge_page_faults.py``); and
-RMSNorm's forward+backward at 4096 x 4096 with two threads fell to 2.17-2.38x torch in
-some runs against 4.05-4.35x with ``NORMKIT_HUGEPAGES=0`` (RESULTS.md, "Huge pages
-faulted in from one thread"). With one
-thread the kernel's own first touch is the fast way (each page is zeroed just before the
-kernel writes it, in cache), so nothing is done ahead then.
+An open trade-off, with two threads: on the project's VM a fresh advised buffer first
+written by a kernel on two threads, in a process that also allocates and frees other
+large buffers (as a training step does), can fault ~10x slower than with one thread
+(``benchmarks/huge_page_faults.py``: 80-108 ms to fill 64 MiB against 7-8 ms; 16-19 ms
+unadvised). Faulting the pages in from one thread first removes that (10 ms), and the
+bench's two-thread RMSNorm and add-norm rows at 4096 x 4096 and 8192 stopped dipping,
+but it cost BatchNorm, BatchNormAct and GroupNorm 10-24% at 64x64x56x56, which never
+dipped: not adopted (RESULTS.md, "Huge pages with two threads: an open trade-off").
 
 The trade-off is the kernel's: with ``/sys/kernel/mm/transparent_hugepage/defrag`` at its
 usual ``madvise``, a fault in an advised range may compact memory to find a free 2 MiB
@@ -117,16 +113,7 @@ def advise_huge_pages(t: Tensor) -> bool:
     resident = (ctypes.c_ubyte * 1)()  # one page's residency byte
     if mincore(first, _PAGE, resident) != 0 or resident[0] & 1:
         return False
-    if madvise(first, end - first, _MADV_HUGEPAGE) != 0:
-        return False
-    if torch.get_num_threads() > 1:
-        # fault every huge page in, here, from one thread: one byte written per 2 MiB
-        # (the buffer is uninitialized, so nothing is lost), before a multi-threaded
-        # kernel would first touch each page from several threads at once (see the
-        # module notes; with one thread that costs only its cache: not done)
-        for page in range(first, end, _HUGE_PAGE):
-            ctypes.memset(page, 0, 1)
-    return True
+    return madvise(first, end - first, _MADV_HUGEPAGE) == 0
 
 
 def out_like(x: Tensor, dtype: torch.dtype | None = None,
