@@ -8,8 +8,9 @@ backward's gradients, say), freed each round, for each thread count and each way
 * ``plain``: no advice (4 KiB pages, faulted by the filling kernel's threads);
 * ``advised``: ``MADV_HUGEPAGE`` only, the filling kernel's threads fault the 2 MiB pages;
 * ``faulted``: ``MADV_HUGEPAGE``, then every huge page faulted in from the calling
-  thread (one byte written per 2 MiB) before the fill -- what ``advise_huge_pages``
-  does with more than one thread.
+  thread (one byte written per 2 MiB) before the fill -- tried in ``advise_huge_pages``
+  with more than one thread and not adopted (``benchmarks/RESULTS.md``, "Huge pages with
+  two threads: an open trade-off").
 
 Prints a Markdown table of the median ms per fill. Needs Linux with transparent huge
 pages in ``madvise`` mode (``kernels.memory.huge_pages_available``); run with glibc's
