@@ -6,6 +6,7 @@ tiny shapes, two rounds, no minimum measurement time and a 1 MiB copy buffer.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import importlib.util
 import json
@@ -931,3 +932,48 @@ def test_train_step_script_times_the_same_networks(monkeypatch):
         script.measure("resnet", "contiguous", rounds=1)
     with pytest.raises(AssertionError, match="output departs"):
         script.measure("resnet", "contiguous", rounds=1, inference=True)
+
+
+def _benchmark_script(name: str):
+    """A script of ``benchmarks/`` imported as a module."""
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(f"{name}_script",
+                                                  root / "benchmarks" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_column_sums_group_blocks_table_states_the_engines_way(monkeypatch, capsys):
+    """benchmarks/column_sums.py --group-blocks: one row per shape and thread count, the
+    two ways' sums checked against each other, the way the engine takes named by
+    ``_blocks_of_samples`` (blocks from GROUP_BLOCK_MIN_SAMPLES samples per block)."""
+    from normkit.kernels import channels
+
+    script = _benchmark_script("column_sums")
+    monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(script, "GROUP_BLOCK_SHAPES", [(8, 64, 2, 2), (2, 64, 8, 8)])
+    before = torch.get_num_threads()
+    try:
+        script.main(["--group-blocks", "--threads", "1", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(before)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |")]
+    # 1 KiB samples: 4 per 4 KiB block -> blocks; 16 KiB samples: none -> the kernel
+    assert [row.split("|")[4].strip() for row in rows] == ["4", "0"]
+    assert [row.split("|")[-2].strip() for row in rows] == ["blocks", "kernel"]
+
+
+@pytest.mark.skipif(not memory.huge_pages_available(),
+                    reason="needs Linux with transparent huge pages in madvise mode")
+def test_huge_page_faults_script_times_every_way(capsys):
+    """benchmarks/huge_page_faults.py: a median per way, and the faulted way really leaves
+    the huge pages resident before the fill."""
+    script = _benchmark_script("huge_page_faults")
+    assert all(script.fill_ms(way, rounds=1, mib=4) > 0 for way in script.WAYS)
+    t = torch.empty((8 << 20) // 4)
+    script._advise(t, fault=True)
+    _, mincore = memory._libc()
+    first = -(-t.data_ptr() // memory._HUGE_PAGE) * memory._HUGE_PAGE
+    vec = (ctypes.c_ubyte * 1)()
+    assert mincore(first, 4096, vec) == 0 and vec[0] & 1
