@@ -142,3 +142,18 @@ def test_runs_record_the_commit_they_measured(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", modified)
     assert runner.source_commit() == "abc1234def00+dirty"
+
+
+def test_report_names_the_commit_a_run_measured():
+    """The Markdown report's software line carries ``normkit_commit`` when the run has one."""
+    import normkit
+    from normkit.bench import report
+
+    version = normkit.__version__
+    doc = runner.run(runner.BenchConfig(ops=("layer_norm",), shapes="4x8", repeats=2,
+                                        warmup=0, min_time=0.0, copy_mib=1))
+    doc["environment"]["normkit_commit"] = "abc1234def00+dirty"
+    assert f", normkit {version} at abc1234def00+dirty, Python " in report.to_markdown(doc)
+    doc["environment"]["normkit_commit"] = None
+    text = report.to_markdown(doc)
+    assert f", normkit {version}, Python " in text and " at None" not in text
