@@ -415,6 +415,75 @@ def stats_kernel(threads: list[int], repeats: int) -> None:
                   + " | ".join(f"{e:.1e}" for e in errors) + " |", flush=True)
 
 
+#: Bytes written between two timed calls of ``--batch-sums``: twice this VM's 32 MiB L3, so
+#: every call reads its input from memory, as a layer in a network does.
+FLUSH_BYTES = 64 << 20
+
+#: Channels-last BatchNorm shapes past CHANNELS_LAST_MAX_COUNT values per channel
+#: (``--batch-sums``): the fold table's, and larger batches of small samples.
+BATCH_SUMS_SHAPES = FOLD_SHAPES + [(128, 64, 16, 16), (64, 128, 14, 14)]
+
+
+def _cold_round_robin_ms(fns, repeats: int) -> list[float]:
+    """Median ms per call of each of ``fns``, every call from a cold cache: a
+    :data:`FLUSH_BYTES` buffer is written before each (untimed), round-robin."""
+    flush = torch.empty(FLUSH_BYTES // 4)
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()  # warm-up
+    for round_ in range(repeats):
+        for fn, into in zip(fns, times, strict=True):
+            flush.fill_(round_)
+            start = time.perf_counter()
+            fn()
+            into.append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
+
+
+def batch_sums(threads: list[int], repeats: int) -> None:
+    """Print, per channels-last BatchNorm shape, the time of the three ways to its forward
+    sums -- torch's kernel on each sample folded to FOLD_ROWS_BATCH rows, the same kernel
+    once on the whole ``(N*L, C)`` matrix so folded, and the cache blocks -- each call
+    from a cold cache, and the relative error of the pooled variance from each (input
+    ``randn + 1.5``); the way the engine takes (the table behind
+    ``channels.WHOLE_FOLD_MIN_THREADS``)."""
+    print("\nChannels-last BatchNorm forward sums: ms per call of each way (per-sample "
+          "folds / whole fold / blocks), from a cold cache and warm (the input just read); "
+          "max relative error of the pooled variance vs float64 (offset 1.5)\n")
+    print("| threads | shape | sample KiB | cold ms | warm ms | "
+          "errors (per sample, whole, blocks) | engine takes |")
+    print("|---:|---|---:|---|---|---|---|")
+    pool = channels.Pool("batch")
+    for threads_now in threads:
+        torch.set_num_threads(threads_now)
+        for shape in BATCH_SUMS_SHAPES:
+            x64 = torch.randn(shape, generator=torch.Generator().manual_seed(0),
+                              dtype=torch.float64).add_(1.5)
+            x = x64.float().contiguous(memory_format=torch.channels_last)
+            cols = channels._columns(x)
+            n, length, c = cols.shape
+            exact = x64.var((0, 2, 3), correction=0)
+            fold = channels._fold(length, channels.FOLD_ROWS_BATCH) or 1
+            ways = [lambda cols=cols, fold=fold: channels._kernel_column_sums(cols, fold),
+                    lambda cols=cols: channels._whole_column_sums(cols),
+                    lambda cols=cols: channels._blocked_column_sums(cols)]
+            errors = []
+            for way in ways:  # (pooled as the engine pools: Pool.sum, in float32)
+                s1, s2 = (t.sum(0).double() for t in way())
+                mean = s1 / (n * length)
+                errors.append(((s2 / (n * length) - mean * mean - exact).abs()
+                               / exact).max().item())
+            cold = _cold_round_robin_ms(ways, repeats)
+            warm = _round_robin_ms(ways, repeats)
+            s1, _ = channels._slice_sums(x, pool)
+            engine = ("whole fold" if s1.shape[0] == 1 else "blocks"
+                      if channels._blocks_of_samples(cols, pool) else "per-sample folds")
+            print(f"| {threads_now} | {'x'.join(map(str, shape))} | "
+                  f"{cols[0].numel() * 4 >> 10} | " + " / ".join(f"{t:.2f}" for t in cold)
+                  + " | " + " / ".join(f"{t:.2f}" for t in warm) + " | "
+                  + ", ".join(f"{e:.1e}" for e in errors) + f" | {engine} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -436,7 +505,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group-blocks", action="store_true",
                         help="time GroupNorm's channels-last sums from the cache blocks "
                              "against the kernel folds instead")
+    parser.add_argument("--batch-sums", action="store_true",
+                        help="time BatchNorm's channels-last forward sums per sample, over "
+                             "the whole folded matrix and from the blocks, cold, instead")
     args = parser.parse_args(argv)
+    if args.batch_sums:
+        batch_sums(args.threads, args.repeats)
+        return
     if args.group_blocks:
         group_blocks(args.threads, args.repeats)
         return

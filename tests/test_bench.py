@@ -964,6 +964,30 @@ def test_column_sums_group_blocks_table_states_the_engines_way(monkeypatch, caps
     assert [row.split("|")[-2].strip() for row in rows] == ["blocks", "kernel"]
 
 
+def test_column_sums_batch_sums_table_states_the_engines_way(monkeypatch, capsys):
+    """benchmarks/column_sums.py --batch-sums: one row per shape and thread count with the
+    three ways' cold and warm times and errors, and the way the engine takes: the whole
+    fold with two threads, the per-sample folds with one where no block serves."""
+    from normkit.kernels import channels
+
+    script = _benchmark_script("column_sums")
+    monkeypatch.setattr(script, "FLUSH_BYTES", 1 << 20)
+    monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", 1 << 16)  # (< a 98 KiB sample)
+    monkeypatch.setattr(script, "BATCH_SUMS_SHAPES", [(4, 8, 56, 56)])
+    before = torch.get_num_threads()
+    try:
+        script.main(["--batch-sums", "--threads", "1", "2", "--repeats", "1"])
+    finally:
+        torch.set_num_threads(before)
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2
+    for row in rows:
+        assert len(row[4].split("/")) == len(row[5].split("/")) == 3  # cold, warm ms
+        assert all(float(e) < 1e-5 for e in row[6].split(","))  # variance errors
+    assert [row[-2].strip() for row in rows] == ["per-sample folds", "whole fold"]
+
+
 @pytest.mark.skipif(not memory.huge_pages_available(),
                     reason="needs Linux with transparent huge pages in madvise mode")
 def test_huge_page_faults_script_times_every_way(capsys):

@@ -190,6 +190,32 @@ def test_blocked_column_sums_equal_float64(monkeypatch, threads, block_bytes, wa
         assert torch.equal(s1, whole[0]) and torch.equal(s2, whole[1]), way
 
 
+@pytest.mark.parametrize("shape", [(4, 8, 56, 56), (64, 5, 4, 4), (3, 7, 1, 577)],
+                         ids=["large-samples", "small-samples", "no-fold"])
+def test_whole_column_sums_are_the_pooled_float64_sums(shape):
+    """BatchNorm's sums from one kernel call over the whole (N*L, C) matrix folded to at
+    most FOLD_ROWS_BATCH rows: (1, C) pooled sums of x and x^2 within the error of
+    FOLD_ROWS_BATCH sequential adds (their partials added in float64); None where no
+    fold leaves FOLD_MIN_ROWS rows (and then the per-sample ways serve)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)).add_(1.5)
+    cols = channels._columns(x.contiguous(memory_format=torch.channels_last))
+    n, length, c = cols.shape
+    fold = channels._fold(n * length, channels.FOLD_ROWS_BATCH)
+    sums = channels._whole_column_sums(cols)
+    if fold is None:
+        assert sums is None
+        return
+    s1, s2 = sums
+    assert s1.shape == s2.shape == (1, c) and s1.dtype == torch.float32
+    c64 = cols.double()
+    rows = n * length // fold  # added in sequence per column
+    bound = (rows + 2) * torch.finfo(torch.float32).eps
+    assert ((s1.double().view(c) - c64.sum((0, 1))).abs()
+            <= bound * c64.abs().sum((0, 1))).all()
+    ref2 = (c64 * c64).sum((0, 1))
+    assert ((s2.double().view(c) - ref2).abs() <= bound * ref2).all()
+
+
 def test_fold_views_at_most_fold_rows_in_sequence():
     assert channels.FOLD_ROWS == 64  # (the expectations below are for it)
     assert channels._fold(24 * 24) == 9  # 64 rows of 9 positions
@@ -220,30 +246,37 @@ def test_folded_channels_last_sums_forward_and_backward_equal_float64(
         monkeypatch, name, threads, block_bytes, way):
     """Channels-last input with more positions than FOLD_ROWS: the statistics come from
     each sample's folded matrix where a cache block holds fewer than two samples (one
-    per thread; for BatchNorm four per thread), else from cache blocks; the backward
-    sums always fold. Output and every gradient equal the float64 reference either way."""
+    per thread; for BatchNorm four per thread), else from cache blocks -- except
+    BatchNorm's, from one call over the whole folded matrix wherever the blocks would
+    serve and, with two threads (WHOLE_FOLD_MIN_THREADS), everywhere; the backward sums
+    always fold. Output and every gradient equal the float64 reference either way."""
     if block_bytes is not None:
         monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", block_bytes)
-    calls = []
-    kernel_sums = channels._kernel_column_sums
+    calls, whole_calls = [], []
+    kernel_sums, whole_sums = channels._kernel_column_sums, channels._whole_column_sums
     monkeypatch.setattr(channels, "_kernel_column_sums",
                         lambda cols, fold=1: calls.append(fold) or kernel_sums(cols, fold))
+    monkeypatch.setattr(channels, "_whole_column_sums",
+                        lambda cols: whole_calls.append(cols.shape) or whole_sums(cols))
     gen = torch.Generator().manual_seed(1)
     # (16 x 576 values per channel: past the count where BatchNorm keeps torch's kernel)
     x64 = torch.randn(16, 6, 24, 24, generator=gen, dtype=torch.float64).add_(1.0)
     assert channels._fold(24 * 24) > 1
     _channels_last_layer_equals_float64(name, x64, gen, threads)
     rows = channels.FOLD_ROWS if name == "in-cl" else channels.FOLD_ROWS_BATCH
-    kernel = way == "folded kernel"
+    whole = name == "bn-cl" and (way == "blocks" or threads >= channels.WHOLE_FOLD_MIN_THREADS)
+    kernel = way == "folded kernel" and not whole
     assert calls == ([channels._fold(24 * 24, rows)] if kernel else []), calls
+    assert whole_calls == ([(16, 24 * 24, 6)] if whole else []), whole_calls
 
 
 @pytest.mark.parametrize("name", ["bn-cl", "in-cl", "gn-cl"])
 def test_unfoldable_channels_last_sums_equal_float64(monkeypatch, name):
     """A prime number of positions has no fold: BatchNorm sums each sample's unfolded
     (L, C) matrix with torch's kernel (at most CHANNELS_LAST_MAX_COUNT rows, as torch's
-    own BatchNorm does), GroupNorm and InstanceNorm take the cache blocks. Output and
-    input gradient equal the float64 reference."""
+    own BatchNorm does; one thread, where no cache block serves, else one call over all
+    samples' rows, which fold), GroupNorm and InstanceNorm take the cache blocks. Output
+    and input gradient equal the float64 reference."""
     monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", 1024)  # (no blocks of samples)
     calls = []
     kernel_sums = channels._kernel_column_sums
@@ -254,7 +287,7 @@ def test_unfoldable_channels_last_sums_equal_float64(monkeypatch, name):
     assert channels._fold(positions) is None
     gen = torch.Generator().manual_seed(2)
     x64 = torch.randn(16, 6, 1, positions, generator=gen, dtype=torch.float64).add_(1.0)
-    _channels_last_layer_equals_float64(name, x64, gen)
+    _channels_last_layer_equals_float64(name, x64, gen, threads=1)
     assert calls == ([1] if name == "bn-cl" else []), calls
 
 

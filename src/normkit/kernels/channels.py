@@ -24,8 +24,10 @@ forward sums are column sums of each sample's ``(L, C)`` matrix, vectorized acro
 channels, on the tensor as it is -- from torch's BatchNorm backward kernel on the matrix
 folded to at most ``FOLD_ROWS`` rows (:func:`_kernel_column_sums`), or with more than
 one thread, where a thread's cache block holds whole samples, from torch's cascaded
-sums a block at a time (:func:`_blocked_column_sums`); the backward sums come from that
-kernel on each sample's folded matrix.
+sums a block at a time (:func:`_blocked_column_sums`); BatchNorm, which pools every
+sample, takes them from one call of that kernel over all samples' rows folded
+(:func:`_whole_column_sums`) except with one thread on large samples. The backward sums
+come from that kernel on each sample's folded matrix.
 
 Accuracy: ``var = E[x^2] - E[x]^2`` loses a factor ``1 + r^2`` (``r = |mean| / std`` of a
 pooled group) of the sums' relative error (2-5 ulps for torch's cascaded row sums), so
@@ -212,13 +214,19 @@ def _columns(t: Tensor) -> Tensor:
 
 
 def _slice_sums(x: Tensor, pool: Pool) -> tuple[Tensor, Tensor]:
-    """``(N, C)`` sums of ``x`` and ``x^2`` over each slice's positions."""
+    """``(N, C)`` sums of ``x`` and ``x^2`` over each slice's positions (``(1, C)``, already
+    pooled, for channels-last BatchNorm from :func:`_whole_column_sums`)."""
     n, c = x.shape[:2]
     if x.is_contiguous():
         s1, s2 = _row_sums(x.view(1, n * c, -1))
         return s1.view(n, c), s2.view(n, c)
     cols = _columns(x)  # (N, L, C)
-    if _blocks_of_samples(cols, pool):
+    blocks = _blocks_of_samples(cols, pool)
+    if pool.kind == "batch" and (blocks or torch.get_num_threads() >= WHOLE_FOLD_MIN_THREADS):
+        sums = _whole_column_sums(cols)  # ((1, C): already pooled, as Pool.sum keeps it)
+        if sums is not None:
+            return sums
+    if blocks:
         return _blocked_column_sums(cols)
     fold = _fold(cols.shape[1], _fold_rows(pool, c))
     if fold is not None:
@@ -278,6 +286,22 @@ def _blocks_of_samples(cols: Tensor, pool: Pool) -> bool:
     return step >= max(threads, 2)
 
 
+#: Fewest threads from which channels-last BatchNorm takes its forward sums from one kernel
+#: call over the whole ``(N*L, C)`` matrix (:func:`_whole_column_sums`) also where its
+#: samples are too large for the cache blocks (where they are not, it always does), not
+#: one call per sample. ms per call, per-sample folds / whole fold / blocks, cold cache
+#: and warm (``benchmarks/column_sums.py --batch-sums``, AMD EPYC VM, two runs): with two
+#: threads the whole fold was the fastest way at 7 of 8 large-sample rows and within noise
+#: at the eighth (32x64x56x56 cold 2.39-2.50 / 1.90-2.28 / 2.74-3.02, 32x128x28x28 warm
+#: 0.76-1.23 / 0.74-0.88 / 0.88-1.92: each per-sample call forks and joins the threads on
+#: a sample's worth of work), and on small samples as fast as the blocks or faster (warm
+#: 0.19-0.56 / 0.20-0.42 ms, cold 0.57-1.44 / 0.53-1.10); with one thread the per-sample
+#: folds stay faster on large samples (32x64x56x56 warm 2.25 / 2.86-3.05) while the whole
+#: fold matches or beats the blocks on small ones. Its pooled variance is also the most
+#: accurate of the three (2.6e-7 to 7.7e-7 relative at ``|mean| / std`` 1.5, against
+#: 6.1e-7 to 9.7e-7 and 6.1e-7 to 1.1e-6), its few hundred partial sums being added in
+#: float64.
+WHOLE_FOLD_MIN_THREADS = 2
 #: Fewest whole samples per thread a cache block must hold for BatchNorm's channels-last
 #: sums to take the blocks rather than the kernel's 256-row folds (:func:`_blocks_of_samples`).
 BATCH_BLOCK_MIN_SAMPLES = 4
@@ -448,6 +472,35 @@ def _kernel_column_sums(cols: Tensor, fold: int = 1) -> tuple[Tensor, Tensor]:
     if fold == 1:
         return s1, s2
     return s1.view(n, fold, c).sum(1), s2.view(n, fold, c).sum(1)
+
+
+def _whole_column_sums(cols: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(1, C)`` sums of ``x`` and ``x^2`` over every row of ``(N, L, C)`` (BatchNorm's
+    pooled sums) from one call of torch's BatchNorm backward kernel on the whole
+    ``(N*L, C)`` matrix folded to at most :data:`FOLD_ROWS_BATCH` rows, as the backward's
+    sums of small samples are (:func:`_backward_sums`); ``None`` where no such fold
+    exists. The kernel adds at most that many rows in sequence, as the per-sample folds
+    do; its ``fold`` partial sums per channel (hundreds, where a sample's fold leaves
+    tens) are added in float64: added in float32, the pooled variance was 2-4x less
+    accurate than from the per-sample folds (``benchmarks/column_sums.py --batch-sums``).
+
+    Example:
+        >>> cols = torch.randn(4, 3136, 8)
+        >>> s1, s2 = _whole_column_sums(cols)
+        >>> torch.allclose(s1, cols.sum((0, 1)).view(1, 8), rtol=1e-4, atol=1e-3)
+        True
+    """
+    n, length, c = cols.shape
+    fold = _fold(n * length, FOLD_ROWS_BATCH)
+    if fold is None:
+        return None
+    unit = torch.ones(fold * c, dtype=cols.dtype, device=cols.device)
+    matrix = cols.reshape(n * length // fold, fold * c)
+    _, s2, s1 = _ATEN.native_batch_norm_backward(matrix, matrix, unit, None, None,
+                                                 torch.zeros_like(unit), unit, True, 0.0,
+                                                 [False, True, True])
+    return tuple(t.view(fold, c).sum(0, keepdim=True, dtype=torch.float64).to(cols.dtype)
+                 for t in (s1, s2))
 
 
 def moments(x: Tensor, pool: Pool, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
