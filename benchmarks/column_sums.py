@@ -28,7 +28,10 @@ engine's BatchNorm statistics against torch's statistics kernel and its fused ke
 channels-last input with few values per channel (the table behind
 ``native.batch_norm_moments``). ``--group-blocks`` times GroupNorm's channels-last sums
 from the cache blocks against the kernel folds (the table behind
-``GROUP_BLOCK_MIN_SAMPLES``).
+``GROUP_BLOCK_MIN_SAMPLES``). ``--batch-sums`` and ``--backward-sums`` time BatchNorm's
+channels-last forward and backward sums per sample, in one call over the whole folded
+matrix (and, forward, from the blocks), each call also from a cold cache (the tables
+behind ``WHOLE_FOLD_MIN_THREADS``).
 """
 
 from __future__ import annotations
@@ -248,13 +251,14 @@ def _channels_last_inputs(shape: tuple[int, ...], offset: float = 0.0
 
 def _backward_sums_as(way: bool, dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor):
     """BatchNorm's channels-last backward sums with the whole-matrix fold forced on
-    (``way=True``) or off (one call per sample), whatever the sample size."""
-    saved = channels._blocks_of_samples
+    (``way=True``) or off (one call per sample), whatever the sample size and threads."""
+    saved = channels._blocks_of_samples, channels.WHOLE_FOLD_MIN_THREADS
     channels._blocks_of_samples = lambda cols, pool: way
+    channels.WHOLE_FOLD_MIN_THREADS = 1 if way else 1 << 30
     try:
         return channels._backward_sums(dy, x, mean, channels.Pool("batch"))
     finally:
-        channels._blocks_of_samples = saved
+        channels._blocks_of_samples, channels.WHOLE_FOLD_MIN_THREADS = saved
 
 
 def backward_folds(threads: list[int], repeats: int) -> None:
@@ -484,6 +488,51 @@ def batch_sums(threads: list[int], repeats: int) -> None:
                   + ", ".join(f"{e:.1e}" for e in errors) + f" | {engine} |", flush=True)
 
 
+#: Channels-last BatchNorm shapes past CHANNELS_LAST_BACKWARD_MAX_COUNT values per channel,
+#: whose backward takes the engine's sums (``--backward-sums``).
+BACKWARD_SUMS_SHAPES = [(16, 64, 112, 112), (64, 64, 56, 56), (8, 32, 256, 256)]
+
+
+def backward_sums(threads: list[int], repeats: int) -> None:
+    """Print, per channels-last BatchNorm shape whose backward takes the engine's sums, the
+    time of those sums per sample and in one call over the whole folded matrix, cold and
+    warm, and their max error relative to float64 (the sums pooled in float32, as the
+    engine pools them); the way the engine takes (the backward half of the table behind
+    ``channels.WHOLE_FOLD_MIN_THREADS``)."""
+    print("\nChannels-last BatchNorm backward sums (sum dy, sum dy (x - mean)) past "
+          f"{channels.CHANNELS_LAST_BACKWARD_MAX_COUNT} values per channel: ms per call, "
+          "per-sample folds / whole fold, from a cold cache and warm; max error relative "
+          "to the largest sum vs float64\n")
+    print("| threads | shape | values per channel | cold ms | warm ms | "
+          "errors (per sample, whole) | engine takes |")
+    print("|---:|---|---:|---|---|---|---|")
+    pool = channels.Pool("batch")
+    for threads_now in threads:
+        torch.set_num_threads(threads_now)
+        for shape in BACKWARD_SUMS_SHAPES:
+            _, x, dy = _channels_last_inputs(shape, 1.5)
+            c = shape[1]
+            assert x.numel() // c > channels.CHANNELS_LAST_BACKWARD_MAX_COUNT
+            mean = x.double().mean((0, 2, 3)).float().view(1, c)
+            want = (dy.double().sum((0, 2, 3)),
+                    (dy.double() * (x.double() - mean.double().view(1, c, 1, 1))).sum((0, 2, 3)))
+            errors = []
+            for way in (False, True):
+                got = [t.sum(0).double() for t in _backward_sums_as(way, dy, x, mean)]
+                errors.append(max(float(((g - w).abs() / w.abs().max()).max())
+                                  for g, w in zip(got, want, strict=True)))
+            ways = [lambda way=way, args=(dy, x, mean): _backward_sums_as(way, *args)
+                    for way in (False, True)]
+            cold = _cold_round_robin_ms(ways, repeats)
+            warm = _round_robin_ms(ways, repeats)
+            s1, _ = channels._backward_sums(dy, x, mean, pool)
+            engine = "whole fold" if s1.shape[0] == 1 else "per-sample folds"
+            print(f"| {threads_now} | {'x'.join(map(str, shape))} | {x.numel() // c} | "
+                  + " / ".join(f"{t:.2f}" for t in cold) + " | "
+                  + " / ".join(f"{t:.2f}" for t in warm) + " | "
+                  + ", ".join(f"{e:.1e}" for e in errors) + f" | {engine} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -508,9 +557,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sums", action="store_true",
                         help="time BatchNorm's channels-last forward sums per sample, over "
                              "the whole folded matrix and from the blocks, cold, instead")
+    parser.add_argument("--backward-sums", action="store_true",
+                        help="time BatchNorm's channels-last backward sums past the count "
+                             "where the engine takes its backward, per sample and over the "
+                             "whole folded matrix, cold and warm, instead")
     args = parser.parse_args(argv)
     if args.batch_sums:
         batch_sums(args.threads, args.repeats)
+        return
+    if args.backward_sums:
+        backward_sums(args.threads, args.repeats)
         return
     if args.group_blocks:
         group_blocks(args.threads, args.repeats)

@@ -646,15 +646,19 @@ def test_property_every_path_matches_float64(n, c, h, w, offset, kind, channels_
         assert_grad_close(got.grad, want.grad, torch.float32, what)
 
 
-@pytest.mark.parametrize("block_bytes, pooled", [(None, True), (1024, False)],
-                         ids=["small-samples-whole-fold", "per-sample-folds"])
+@pytest.mark.parametrize("block_bytes, threads, pooled",
+                         [(None, 1, True), (1024, 1, False), (1024, 2, True)],
+                         ids=["small-samples-whole-fold", "per-sample-folds",
+                              "two-threads-whole-fold"])
 def test_batch_norm_backward_sums_of_small_samples_in_one_call(monkeypatch, block_bytes,
-                                                               pooled):
+                                                               threads, pooled):
     """BatchNorm's channels-last backward sums: small samples (those the forward sums in
-    cache blocks) in one kernel call over the whole folded matrix, already pooled to
-    (1, C); larger ones per sample, (N, C). Both equal the float64 sums."""
+    cache blocks), and any with WHOLE_FOLD_MIN_THREADS threads, in one kernel call over
+    the whole folded matrix, already pooled to (1, C); larger ones with one thread per
+    sample, (N, C). Both equal the float64 sums."""
     if block_bytes is not None:
         monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(16, 6, 24, 24, generator=gen).add_(1.0).contiguous(
         memory_format=torch.channels_last)

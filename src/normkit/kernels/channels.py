@@ -300,7 +300,10 @@ def _blocks_of_samples(cols: Tensor, pool: Pool) -> bool:
 #: fold matches or beats the blocks on small ones. Its pooled variance is also the most
 #: accurate of the three (2.6e-7 to 7.7e-7 relative at ``|mean| / std`` 1.5, against
 #: 6.1e-7 to 9.7e-7 and 6.1e-7 to 1.1e-6), its few hundred partial sums being added in
-#: float64.
+#: float64. The backward's sums past ``CHANNELS_LAST_BACKWARD_MAX_COUNT`` values per
+#: channel follow the same rule (:func:`_backward_sums`; ``column_sums.py
+#: --backward-sums``, two threads, per-sample / whole ms, cold: 16x64x112x112 5.83-7.65 /
+#: 5.14-6.05, 8x32x256x256 8.17-8.75 / 7.25-7.58, 64x64x56x56 4.72-5.37 / 4.88-5.34).
 WHOLE_FOLD_MIN_THREADS = 2
 #: Fewest whole samples per thread a cache block must hold for BatchNorm's channels-last
 #: sums to take the blocks rather than the kernel's 256-row folds (:func:`_blocks_of_samples`).
@@ -572,7 +575,8 @@ def affine(x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,
 def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
                    ) -> tuple[Tensor, Tensor]:
     """``(N, C)`` per-slice ``sum dy`` and ``sum dy (x - mean)`` (``(1, C)``, already
-    pooled, for BatchNorm of small channels-last samples)."""
+    pooled, for channels-last BatchNorm where its forward sums take one call over every
+    sample's rows: small samples, or :data:`WHOLE_FOLD_MIN_THREADS` threads)."""
     n, c = x.shape[:2]
     if x.is_contiguous():
         # torch's BatchNorm backward on the (1, N*C, L) view with unit invstd, reductions
@@ -588,21 +592,24 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
     cols_dy, cols_x = _columns(dy), _columns(x)  # (N, L, C)
     length = cols_x.shape[1]
     whole = _fold(n * length, FOLD_ROWS_BATCH) if pool.kind == "batch" else None
-    if whole is not None and _blocks_of_samples(cols_x, pool):
-        # BatchNorm of small samples (those its forward sums in cache blocks): one call
-        # over the whole (N*L, C) matrix folded to FOLD_ROWS_BATCH rows, not one per
-        # sample (per-sample calls cost more than they read there; column_sums.py
-        # --folds, ms per call, per sample -> whole, one / two threads: 64x64x16x16
-        # 1.29 -> 0.60 / 1.34 -> 0.40, 16x64x32x32 0.40 -> 0.38 / 0.40 -> 0.25; larger
-        # samples keep the per-sample folds, 1.3-1.7x faster with one thread at
-        # 32x64x56x56 and 32x128x28x28, within the noise of the whole fold with two;
-        # the same error either way, 2-4e-7 relative)
+    if whole is not None and (_blocks_of_samples(cols_x, pool)
+                              or torch.get_num_threads() >= WHOLE_FOLD_MIN_THREADS):
+        # BatchNorm of small samples (those its forward sums in cache blocks), and of any
+        # with two threads: one call over the whole (N*L, C) matrix folded to
+        # FOLD_ROWS_BATCH rows, not one per sample (per-sample calls cost more than they
+        # read there; column_sums.py --folds, ms per call, per sample -> whole, one / two
+        # threads: 64x64x16x16 1.29 -> 0.60 / 1.34 -> 0.40, 16x64x32x32 0.40 -> 0.38 /
+        # 0.40 -> 0.25; column_sums.py --backward-sums, past the 131072 values per channel
+        # where this engine takes BatchNorm's backward, see WHOLE_FOLD_MIN_THREADS); with
+        # one thread larger samples keep the per-sample folds, as the forward does. The
+        # partial sums are added in float64, as the forward's (_whole_column_sums).
         shape = (n * length // whole, whole * c)
         unit = torch.ones(whole * c, dtype=x.dtype, device=x.device)
         _, sx, s1 = _ATEN.native_batch_norm_backward(
             cols_dy.reshape(shape), cols_x.reshape(shape), unit, None, None,
             mean.reshape(c).repeat(whole), unit, True, 0.0, [False, True, True])
-        return s1.view(whole, c).sum(0, keepdim=True), sx.view(whole, c).sum(0, keepdim=True)
+        return tuple(t.view(whole, c).sum(0, keepdim=True, dtype=torch.float64).to(x.dtype)
+                     for t in (s1, sx))
     fold = _fold(length, _fold_rows(pool, c)) or 1
     shape = (n, length // fold, fold * c)
     unit = torch.ones(fold * c, dtype=x.dtype, device=x.device)
