@@ -480,12 +480,8 @@ def _kernel_column_sums(cols: Tensor, fold: int = 1) -> tuple[Tensor, Tensor]:
 def _whole_column_sums(cols: Tensor) -> tuple[Tensor, Tensor] | None:
     """``(1, C)`` sums of ``x`` and ``x^2`` over every row of ``(N, L, C)`` (BatchNorm's
     pooled sums) from one call of torch's BatchNorm backward kernel on the whole
-    ``(N*L, C)`` matrix folded to at most :data:`FOLD_ROWS_BATCH` rows, as the backward's
-    sums of small samples are (:func:`_backward_sums`); ``None`` where no such fold
-    exists. The kernel adds at most that many rows in sequence, as the per-sample folds
-    do; its ``fold`` partial sums per channel (hundreds, where a sample's fold leaves
-    tens) are added in float64: added in float32, the pooled variance was 2-4x less
-    accurate than from the per-sample folds (``benchmarks/column_sums.py --batch-sums``).
+    ``(N*L, C)`` matrix folded to at most :data:`FOLD_ROWS_BATCH` rows
+    (:func:`_whole_fold_sums`); ``None`` where no such fold exists.
 
     Example:
         >>> cols = torch.randn(4, 3136, 8)
@@ -493,17 +489,31 @@ def _whole_column_sums(cols: Tensor) -> tuple[Tensor, Tensor] | None:
         >>> torch.allclose(s1, cols.sum((0, 1)).view(1, 8), rtol=1e-4, atol=1e-3)
         True
     """
-    n, length, c = cols.shape
+    return _whole_fold_sums(cols, cols, None)
+
+
+def _whole_fold_sums(g: Tensor, x: Tensor, mean: Tensor | None
+                     ) -> tuple[Tensor, Tensor] | None:
+    """``(1, C)`` ``sum g`` and ``sum g (x - mean)`` over every row of the ``(N, L, C)``
+    matrices ``g`` and ``x`` (``mean``: ``C`` values, ``None`` for zero), from one call of
+    torch's BatchNorm backward kernel on both viewed as ``(N*L, C)`` folded to at most
+    :data:`FOLD_ROWS_BATCH` rows (the kernel adds that many rows in sequence, as the
+    per-sample folds do); ``None`` where no such fold exists. Its ``fold`` partial sums
+    per channel (hundreds, where a sample's fold leaves tens) are added in float64: added
+    in float32, the pooled variance was 2-4x less accurate than from the per-sample folds
+    (``benchmarks/column_sums.py --batch-sums``)."""
+    n, length, c = x.shape
     fold = _fold(n * length, FOLD_ROWS_BATCH)
     if fold is None:
         return None
-    unit = torch.ones(fold * c, dtype=cols.dtype, device=cols.device)
-    matrix = cols.reshape(n * length // fold, fold * c)
-    _, s2, s1 = _ATEN.native_batch_norm_backward(matrix, matrix, unit, None, None,
-                                                 torch.zeros_like(unit), unit, True, 0.0,
+    unit = torch.ones(fold * c, dtype=x.dtype, device=x.device)
+    means = torch.zeros_like(unit) if mean is None else mean.reshape(c).repeat(fold)
+    shape = (n * length // fold, fold * c)
+    _, sx, s1 = _ATEN.native_batch_norm_backward(g.reshape(shape), x.reshape(shape), unit,
+                                                 None, None, means, unit, True, 0.0,
                                                  [False, True, True])
-    return tuple(t.view(fold, c).sum(0, keepdim=True, dtype=torch.float64).to(cols.dtype)
-                 for t in (s1, s2))
+    return tuple(t.view(fold, c).sum(0, keepdim=True, dtype=torch.float64).to(x.dtype)
+                 for t in (s1, sx))
 
 
 def moments(x: Tensor, pool: Pool, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -591,9 +601,8 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
     # folded as the forward's sums are (_kernel_column_sums: the same rows in sequence)
     cols_dy, cols_x = _columns(dy), _columns(x)  # (N, L, C)
     length = cols_x.shape[1]
-    whole = _fold(n * length, FOLD_ROWS_BATCH) if pool.kind == "batch" else None
-    if whole is not None and (_blocks_of_samples(cols_x, pool)
-                              or torch.get_num_threads() >= WHOLE_FOLD_MIN_THREADS):
+    if pool.kind == "batch" and (_blocks_of_samples(cols_x, pool)
+                                 or torch.get_num_threads() >= WHOLE_FOLD_MIN_THREADS):
         # BatchNorm of small samples (those its forward sums in cache blocks), and of any
         # with two threads: one call over the whole (N*L, C) matrix folded to
         # FOLD_ROWS_BATCH rows, not one per sample (per-sample calls cost more than they
@@ -601,15 +610,10 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
         # threads: 64x64x16x16 1.29 -> 0.60 / 1.34 -> 0.40, 16x64x32x32 0.40 -> 0.38 /
         # 0.40 -> 0.25; column_sums.py --backward-sums, past the 131072 values per channel
         # where this engine takes BatchNorm's backward, see WHOLE_FOLD_MIN_THREADS); with
-        # one thread larger samples keep the per-sample folds, as the forward does. The
-        # partial sums are added in float64, as the forward's (_whole_column_sums).
-        shape = (n * length // whole, whole * c)
-        unit = torch.ones(whole * c, dtype=x.dtype, device=x.device)
-        _, sx, s1 = _ATEN.native_batch_norm_backward(
-            cols_dy.reshape(shape), cols_x.reshape(shape), unit, None, None,
-            mean.reshape(c).repeat(whole), unit, True, 0.0, [False, True, True])
-        return tuple(t.view(whole, c).sum(0, keepdim=True, dtype=torch.float64).to(x.dtype)
-                     for t in (s1, sx))
+        # one thread larger samples keep the per-sample folds, as the forward does
+        sums = _whole_fold_sums(cols_dy, cols_x, mean)
+        if sums is not None:
+            return sums
     fold = _fold(length, _fold_rows(pool, c)) or 1
     shape = (n, length // fold, fold * c)
     unit = torch.ones(fold * c, dtype=x.dtype, device=x.device)
