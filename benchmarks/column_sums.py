@@ -205,6 +205,24 @@ FOLD_SHAPES = [(32, 64, 56, 56), (8, 32, 128, 128), (32, 128, 28, 28), (32, 192,
                (16, 64, 32, 32), (64, 64, 16, 16)]
 
 
+def _offset_batch_input(shape: tuple[int, ...]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(x, cols, exact)``: seeded float64 ``randn + 1.5`` as channels-last float32 ``x``,
+    its ``(N, L, C)`` columns, and the float64 input's biased per-channel variance."""
+    x64 = torch.randn(shape, generator=torch.Generator().manual_seed(0),
+                      dtype=torch.float64).add_(1.5)
+    x = x64.float().contiguous(memory_format=torch.channels_last)
+    return x, channels._columns(x), x64.var((0, 2, 3), correction=0)
+
+
+def _variance_error(s1: torch.Tensor, s2: torch.Tensor, count: int,
+                    exact: torch.Tensor) -> float:
+    """Max relative error of ``E[x^2] - E[x]^2`` from pooled float64 sums ``s1``, ``s2``
+    over ``count`` values per channel against ``exact``."""
+    mean = s1 / count
+    return ((s2 / count - mean * mean - exact).abs() / exact).max().item()
+
+
 def folds(threads: list[int], repeats: int) -> None:
     """Print, per channels-last shape, the time of torch's BatchNorm kernel sums at every
     fold leaving 16 or more rows (and of the blocks), and the relative error of the
@@ -217,12 +235,8 @@ def folds(threads: list[int], repeats: int) -> None:
     for threads_now in threads:
         torch.set_num_threads(threads_now)
         for shape in FOLD_SHAPES:
-            x64 = torch.randn(shape, generator=torch.Generator().manual_seed(0),
-                              dtype=torch.float64).add_(1.5)
-            x = x64.float().contiguous(memory_format=torch.channels_last)
-            cols = channels._columns(x)
+            x, cols, exact = _offset_batch_input(shape)
             n, length, c = cols.shape
-            exact = x64.var((0, 2, 3), correction=0)
             ways = {f"kernel, {length // k} x {k * c}": (
                 lambda k=k, cols=cols: channels._kernel_column_sums(cols, k))
                 for k in range(1, length // channels.FOLD_MIN_ROWS + 1) if length % k == 0
@@ -231,9 +245,7 @@ def folds(threads: list[int], repeats: int) -> None:
             times = dict(zip(ways, _round_robin_ms(list(ways.values()), repeats),
                              strict=True))
             for name, fn in ways.items():
-                s1, s2 = (t.double().sum(0) for t in fn())
-                mean = s1 / (n * length)
-                err = ((s2 / (n * length) - mean * mean - exact).abs() / exact).max().item()
+                err = _variance_error(*(t.double().sum(0) for t in fn()), n * length, exact)
                 print(f"| {threads_now} | {'x'.join(map(str, shape))} | {name} | "
                       f"{times[name]:.2f} | {err:.1e} |")
 
@@ -444,6 +456,18 @@ def _cold_round_robin_ms(fns, repeats: int) -> list[float]:
     return [statistics.median(t) * 1e3 for t in times]
 
 
+def _print_cold_warm_row(threads: int, shape: tuple[int, ...], size: int, ways, repeats: int,
+                         errors: list[float], engine: str) -> None:
+    """One table row of ``--batch-sums`` / ``--backward-sums``: every way's ms from a cold
+    cache and warm, the errors and the way the engine takes."""
+    cold = _cold_round_robin_ms(ways, repeats)
+    warm = _round_robin_ms(ways, repeats)
+    print(f"| {threads} | {'x'.join(map(str, shape))} | {size} | "
+          + " / ".join(f"{t:.2f}" for t in cold) + " | "
+          + " / ".join(f"{t:.2f}" for t in warm) + " | "
+          + ", ".join(f"{e:.1e}" for e in errors) + f" | {engine} |", flush=True)
+
+
 def batch_sums(threads: list[int], repeats: int) -> None:
     """Print, per channels-last BatchNorm shape, the time of the three ways to its forward
     sums -- torch's kernel on each sample folded to FOLD_ROWS_BATCH rows, the same kernel
@@ -461,31 +485,21 @@ def batch_sums(threads: list[int], repeats: int) -> None:
     for threads_now in threads:
         torch.set_num_threads(threads_now)
         for shape in BATCH_SUMS_SHAPES:
-            x64 = torch.randn(shape, generator=torch.Generator().manual_seed(0),
-                              dtype=torch.float64).add_(1.5)
-            x = x64.float().contiguous(memory_format=torch.channels_last)
-            cols = channels._columns(x)
+            x, cols, exact = _offset_batch_input(shape)
             n, length, c = cols.shape
-            exact = x64.var((0, 2, 3), correction=0)
             fold = channels._fold(length, channels.FOLD_ROWS_BATCH) or 1
             ways = [lambda cols=cols, fold=fold: channels._kernel_column_sums(cols, fold),
                     lambda cols=cols: channels._whole_column_sums(cols),
                     lambda cols=cols: channels._blocked_column_sums(cols)]
             errors = []
             for way in ways:  # (pooled as the engine pools: Pool.sum, in float32)
-                s1, s2 = (t.sum(0).double() for t in way())
-                mean = s1 / (n * length)
-                errors.append(((s2 / (n * length) - mean * mean - exact).abs()
-                               / exact).max().item())
-            cold = _cold_round_robin_ms(ways, repeats)
-            warm = _round_robin_ms(ways, repeats)
+                errors.append(_variance_error(*(t.sum(0).double() for t in way()),
+                                              n * length, exact))
             s1, _ = channels._slice_sums(x, pool)
             engine = ("whole fold" if s1.shape[0] == 1 else "blocks"
                       if channels._blocks_of_samples(cols, pool) else "per-sample folds")
-            print(f"| {threads_now} | {'x'.join(map(str, shape))} | "
-                  f"{cols[0].numel() * 4 >> 10} | " + " / ".join(f"{t:.2f}" for t in cold)
-                  + " | " + " / ".join(f"{t:.2f}" for t in warm) + " | "
-                  + ", ".join(f"{e:.1e}" for e in errors) + f" | {engine} |", flush=True)
+            _print_cold_warm_row(threads_now, shape, cols[0].numel() * 4 >> 10, ways,
+                                 repeats, errors, engine)
 
 
 #: Channels-last BatchNorm shapes past CHANNELS_LAST_BACKWARD_MAX_COUNT values per channel,
@@ -523,14 +537,10 @@ def backward_sums(threads: list[int], repeats: int) -> None:
                                   for g, w in zip(got, want, strict=True)))
             ways = [lambda way=way, args=(dy, x, mean): _backward_sums_as(way, *args)
                     for way in (False, True)]
-            cold = _cold_round_robin_ms(ways, repeats)
-            warm = _round_robin_ms(ways, repeats)
             s1, _ = channels._backward_sums(dy, x, mean, pool)
             engine = "whole fold" if s1.shape[0] == 1 else "per-sample folds"
-            print(f"| {threads_now} | {'x'.join(map(str, shape))} | {x.numel() // c} | "
-                  + " / ".join(f"{t:.2f}" for t in cold) + " | "
-                  + " / ".join(f"{t:.2f}" for t in warm) + " | "
-                  + ", ".join(f"{e:.1e}" for e in errors) + f" | {engine} |", flush=True)
+            _print_cold_warm_row(threads_now, shape, x.numel() // c, ways, repeats, errors,
+                                 engine)
 
 
 def main(argv: list[str] | None = None) -> None:
