@@ -39,7 +39,7 @@ rounding of relative size ``r * 6e-8``. Measured max error vs float64 (float32,
 ``benchmarks/ACCURACY.md``): 6e-7 to 1e-6 for centered data and up to 5.6e-6 at
 ``r = 1.5`` (InstanceNorm of 128 x 128 slices), against 4e-7 to 5e-7 for torch's NCHW
 kernels and normkit's compensated path -- and 8e-5 for torch's own channels-last
-BatchNorm at 131072 values per channel, which this engine replaces there (7e-7 to 3e-6:
+BatchNorm at 131072 values per channel, which this engine replaces there (6e-7 to 1.6e-6:
 ``benchmarks/accuracy.py --counts``).
 """
 

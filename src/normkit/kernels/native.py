@@ -28,7 +28,7 @@ So torch's channels-last BatchNorm serves training only up to
 :data:`CHANNELS_LAST_MAX_COUNT` values per channel and ratio 2: error up to 1.1e-5,
 within the float32 tolerance every path is tested to (2e-5 + 2e-5 |y|), though twice
 the 6e-6 of normkit's own fast paths (an earlier single-input measurement had put it at
-3e-6 to 6e-6); beyond, the slice-sums engine keeps 7e-7 to 3e-6 (same command).
+3e-6 to 6e-6); beyond, the slice-sums engine keeps 6e-7 to 1.6e-6 (same command).
 GroupNorm's channels-last kernel is used only on small images (see
 :mod:`normkit.kernels.channels`).
 
