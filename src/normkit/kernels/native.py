@@ -498,7 +498,7 @@ CHANNELS_LAST_MAX_COUNT = 8192
 #: sequentially along the positions, so its errors grow with the count; max gradient
 #: error relative to the largest reference magnitude, ``|mean| / std`` up to 1.9
 #: (``benchmarks/accuracy.py --backward-counts``), kernel / engine at 131072 values: dx
-#: 2.1e-6 / 3.5e-7, dbias 1.1e-5 / 3.3e-7, dweight 3.6e-5 / 3.3e-5 -- dweight's error is
+#: 2.0e-6 / 1.8e-7, dbias 1.1e-5 / 3.0e-7, dweight 1.4e-5 / 1.5e-5 -- dweight's error is
 #: the same either way (the float32 mean's rounding times ``sum dy``, which the
 #: statistics carry, not the sums), the others stay 4.5x and more under the float32
 #: gradient tolerance of 5e-5. Beyond, torch's dbias error keeps growing (1.6e-5 at
