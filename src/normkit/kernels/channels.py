@@ -290,17 +290,18 @@ def _blocks_of_samples(cols: Tensor, pool: Pool) -> bool:
 #: call over the whole ``(N*L, C)`` matrix (:func:`_whole_column_sums`) also where its
 #: samples are too large for the cache blocks (where they are not, it always does), not
 #: one call per sample. ms per call, per-sample folds / whole fold / blocks, cold cache
-#: and warm (``benchmarks/column_sums.py --batch-sums``, AMD EPYC VM, two runs): with two
-#: threads the whole fold was the fastest way at 7 of 8 large-sample rows and within noise
-#: at the eighth (32x64x56x56 cold 2.39-2.50 / 1.90-2.28 / 2.74-3.02, 32x128x28x28 warm
-#: 0.76-1.23 / 0.74-0.88 / 0.88-1.92: each per-sample call forks and joins the threads on
-#: a sample's worth of work), and on small samples as fast as the blocks or faster (warm
-#: 0.19-0.56 / 0.20-0.42 ms, cold 0.57-1.44 / 0.53-1.10); with one thread the per-sample
-#: folds stay faster on large samples (32x64x56x56 warm 2.25 / 2.86-3.05) while the whole
-#: fold matches or beats the blocks on small ones. Its pooled variance is also the most
-#: accurate of the three (2.6e-7 to 7.7e-7 relative at ``|mean| / std`` 1.5, against
-#: 6.1e-7 to 9.7e-7 and 6.1e-7 to 1.1e-6), its few hundred partial sums being added in
-#: float64. The backward's sums past ``CHANNELS_LAST_BACKWARD_MAX_COUNT`` values per
+#: and warm (``benchmarks/column_sums.py --batch-sums``, AMD EPYC VM, the two runs of
+#: RESULTS.md "Channels-last BatchNorm sums: one call over every sample"): with two
+#: threads the whole fold was the fastest way at every large-sample shape warm and at all
+#: but one cold, a tie (32x64x56x56 cold 2.38-3.03 / 2.28-2.51 / 2.77-2.81, 32x128x28x28
+#: warm 1.16-1.18 / 0.92-1.02 / 1.21-1.48: each per-sample call forks and joins the
+#: threads on a sample's worth of work), and on small samples as fast as the blocks warm
+#: (0.20-0.73 / 0.20-0.66 ms) and faster cold (0.54-0.93 / 0.56-1.08); with one thread the
+#: per-sample folds stay faster on large samples (32x64x56x56 warm 2.03-2.06 /
+#: 2.61-2.91) while the whole fold matches or beats the blocks on small ones. Its pooled
+#: variance is also the most accurate of the three (2.6e-7 to 7.7e-7 relative at
+#: ``|mean| / std`` 1.5, against 6.1e-7 to 9.7e-7 and 6.1e-7 to 1.1e-6), its few hundred
+#: partial sums being added in float64. The backward's sums past ``CHANNELS_LAST_BACKWARD_MAX_COUNT`` values per
 #: channel follow the same rule (:func:`_backward_sums`; ``column_sums.py
 #: --backward-sums``, two threads, per-sample / whole ms, cold: 16x64x112x112 5.83-7.65 /
 #: 5.14-6.05, 8x32x256x256 8.17-8.75 / 7.25-7.58, 64x64x56x56 4.72-5.37 / 4.88-5.34).
