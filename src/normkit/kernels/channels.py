@@ -301,10 +301,11 @@ def _blocks_of_samples(cols: Tensor, pool: Pool) -> bool:
 #: 2.61-2.91) while the whole fold matches or beats the blocks on small ones. Its pooled
 #: variance is also the most accurate of the three (2.6e-7 to 7.7e-7 relative at
 #: ``|mean| / std`` 1.5, against 6.1e-7 to 9.7e-7 and 6.1e-7 to 1.1e-6), its few hundred
-#: partial sums being added in float64. The backward's sums past ``CHANNELS_LAST_BACKWARD_MAX_COUNT`` values per
-#: channel follow the same rule (:func:`_backward_sums`; ``column_sums.py
-#: --backward-sums``, two threads, per-sample / whole ms, cold: 16x64x112x112 5.83-7.65 /
-#: 5.14-6.05, 8x32x256x256 8.17-8.75 / 7.25-7.58, 64x64x56x56 4.72-5.37 / 4.88-5.34).
+#: partial sums being added in float64. The backward's sums past
+#: ``CHANNELS_LAST_BACKWARD_MAX_COUNT`` values per channel follow the same rule
+#: (:func:`_backward_sums`; ``column_sums.py --backward-sums``, two threads, per-sample /
+#: whole ms, cold: 16x64x112x112 5.83-7.65 / 5.14-6.05, 8x32x256x256 8.17-8.75 /
+#: 7.25-7.58, 64x64x56x56 4.72-5.37 / 4.88-5.34).
 WHOLE_FOLD_MIN_THREADS = 2
 #: Fewest whole samples per thread a cache block must hold for BatchNorm's channels-last
 #: sums to take the blocks rather than the kernel's 256-row folds (:func:`_blocks_of_samples`).
