@@ -275,6 +275,7 @@ FAST_EVERYWHERE = {
     "normkit.norms.fused": {"RMS_CHUNK_MIN_BYTES": 0, "RMS_CHUNK_BYTES": 1 << 12,
                             "FUSED_ACT_MIN_ELEMENTS": 0},
     "normkit.kernels.native": {"HALF_BACKWARD_BLOCK_BYTES": 1 << 12,
+                               "LAYER_NORM_BLOCK_BYTES": 1 << 12,
                                "HALF_BACKWARD_ONE_CALL_BELOW": 0,
                                "EVAL_INPUT_GRAD_MIN_ELEMENTS": 0,
                                "EVAL_PER_SLICE_MIN_ELEMENTS": 0,

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 from cases import make_input, memory_format_of
-from oracle import assert_close, normalize64
+from oracle import assert_close, assert_grad_close, normalize64
 
 from normkit import functional as F
-from normkit.kernels import channels, memory
+from normkit.kernels import channels, memory, native
 from normkit.norms.fused import add_layer_norm, add_rms_norm, batch_norm_act, group_norm_act
 
 MIB = 1 << 20
@@ -142,6 +142,11 @@ def _image(layout):
             torch.randn(c, generator=gen)]
 
 
+#: Ops whose parameter gradients, on huge pages, are the sums of per-block partials
+#: (torch's LayerNorm kernels block by block, ``native.layer_norm_blocks``): the same
+#: values to float32 rounding, not the same bits as torch's one call.
+BLOCK_PARAMETER_SUMS = {"add_layer_norm": 2, "layer_norm": 2}  # (index of the first)
+
 # (op, inputs, layout) for every composition that writes a large result through out_like;
 # layouts that take torch's own kernels (which allocate for themselves) are not listed
 CASES = {
@@ -149,6 +154,8 @@ CASES = {
     "add_rms_norm": (lambda x, r, w: add_rms_norm(x, r, ROWS[1:], w), _rows, None),
     "add_layer_norm": (lambda x, r, w, b: add_layer_norm(x, r, ROWS[1:], w, b),
                        lambda: _rows(bias=True), None),
+    "layer_norm": (lambda x, r, w, b: F.layer_norm(x, ROWS[1:], w, b),
+                   lambda: _rows(bias=True), None),
     "add_rms_norm_bf16_fp32_residual": (
         lambda x, r, w: add_rms_norm(x.bfloat16(), r.bfloat16(), ROWS[1:], w.bfloat16(),
                                      residual_in_fp32=True), _rows, None),
@@ -180,11 +187,15 @@ def test_huge_page_outputs_equal_torch_allocated_ones(name, advised, monkeypatch
     monkeypatch.setattr(memory, "MIN_BYTES", 1 << 62)  # torch allocates everything
     ref_outs, ref_grads = _run(fn, inputs)
     assert not advised
-    for got, want in zip(outs + grads, ref_outs + ref_grads, strict=True):
+    first_sum = len(outs) + BLOCK_PARAMETER_SUMS.get(name, len(grads))
+    for i, (got, want) in enumerate(zip(outs + grads, ref_outs + ref_grads, strict=True)):
         if want is None:  # (an input the op does not use)
             assert got is None
             continue
-        assert torch.equal(got, want), f"{name}: values differ from torch's allocation"
+        if i >= first_sum:
+            assert_grad_close(got, want, torch.float32, f"{name} parameter gradient {i}")
+        else:
+            assert torch.equal(got, want), f"{name}: values differ from torch's allocation"
         assert got.stride() == want.stride(), f"{name}: layout {got.stride()} != {want.stride()}"
     assert memory_format_of(outs[0]) == memory_format_of(inputs[0])
 
@@ -194,6 +205,96 @@ def test_rms_norm_on_huge_pages_matches_float64(advised):
     y = F.rms_norm(x, ROWS[1:], w, 1e-6)
     assert _holds(y, advised)
     assert_close(y, normalize64(x, (1,), w, eps=1e-6, center=False), torch.float32)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("block_bytes", [1 << 12, 5 * (4096 + 8) * 4, 1 << 30])
+def test_layer_norm_blocks_match_the_whole_kernel_call_and_float64(residual, block_bytes,
+                                                                   advised, monkeypatch):
+    """torch's LayerNorm kernels block by block onto huge pages (one block, blocks of one
+    row, blocks of five rows whose last is short): the output, statistics and input
+    gradient are the whole-tensor call's bits; the parameter gradients, sums of the
+    blocks' partials, match float64 to the float32 gradient tolerance."""
+    monkeypatch.setattr(native, "LAYER_NORM_BLOCK_BYTES", block_bytes)
+    x, r, w, b = (t.requires_grad_() for t in _rows(bias=True))
+    dy, dr = torch.randn_like(x), torch.randn_like(x)
+    blocks = native.layer_norm_blocks(x.detach(), ROWS[1:], w.detach(), b.detach(), 1e-5,
+                                      r.detach() if residual else None)
+    assert blocks is not None and _holds(blocks[1], advised)
+    s, y, mean, rstd = blocks
+    s_ref = x.detach() + r.detach() if residual else x.detach()
+    assert torch.equal(s, s_ref)
+    y_ref, mean_ref, rstd_ref = torch.native_layer_norm(s_ref, ROWS[1:], w.detach(),
+                                                        b.detach(), 1e-5)
+    for got, want in ((y, y_ref), (mean, mean_ref), (rstd, rstd_ref)):
+        assert torch.equal(got, want) and got.shape == want.shape
+    if residual:
+        normed, new_residual = add_layer_norm(x, r, ROWS[1:], w, b)
+        outs, grads_at = (normed, new_residual), (dy, dr)
+        leaves = (x, r, w, b)
+    else:
+        outs, grads_at, leaves = (F.layer_norm(x, ROWS[1:], w, b),), (dy,), (x, w, b)
+    assert torch.equal(outs[0], y)
+    grads = torch.autograd.grad(outs, leaves, grads_at)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    s64 = x64 + r.detach().double() if residual else x64
+    y64 = normalize64(s64, (1,), w64, b64)
+    refs = torch.autograd.grad((y64, s64) if residual else (y64,), (x64, w64, b64),
+                               (dy.double(), dr.double()) if residual else (dy.double(),))
+    torch_dx = torch.ops.aten.native_layer_norm_backward(
+        dy, s_ref, ROWS[1:], mean_ref, rstd_ref, w.detach(), b.detach(),
+        [True, False, False])[0]
+    assert torch.equal(grads[0], torch_dx + dr if residual else torch_dx)
+    for got, want, what in zip((grads[0], *grads[-2:]), refs, ("dx", "dweight", "dbias"),
+                               strict=True):
+        assert_grad_close(got, want, torch.float32, what)
+
+
+def test_blocked_layer_norm_second_derivatives_match_torch(advised, monkeypatch):
+    """``create_graph=True`` through the blocked forward's node differentiates torch's
+    LayerNorm: the same second derivatives as torch's own double backward."""
+    monkeypatch.setattr(native, "LAYER_NORM_BLOCK_BYTES", 1 << 16)
+    x, _, w, b = (t.requires_grad_() for t in _rows(bias=True))
+    dy = torch.randn_like(x)
+
+    def second(fn):
+        gx, gw = torch.autograd.grad(fn(x, ROWS[1:], w, b), (x, w), dy, create_graph=True)
+        return torch.autograd.grad((gx.square().sum() + gw.square().sum()), (x, w))
+
+    got = second(F.layer_norm)
+    assert advised  # (the forward went on huge pages)
+    for g, want in zip(got, second(torch.nn.functional.layer_norm), strict=True):
+        assert_grad_close(g, want, torch.float32, "second derivative")
+
+
+def test_fresh_out_like_only_for_untouched_memory(advised, monkeypatch):
+    assert memory.fresh_out_like(torch.ones(1000)) is None  # small
+    out = memory.fresh_out_like(torch.ones(2 * MIB), torch.float64)
+    assert out is not None and out.dtype == torch.float64 and _holds(out, advised)
+
+    def resident(address, length, vec):
+        vec[0] = 1
+        return 0
+
+    monkeypatch.setattr(memory, "_libc", lambda: (lambda *a: 0, resident))
+    assert memory.fresh_out_like(torch.ones(2 * MIB)) is None  # reused memory
+
+
+def test_layer_norm_leaves_reused_memory_to_torch(monkeypatch):
+    """Memory the allocator reuses (resident: no faults to save) -- torch's kernel over
+    the whole tensor, with torch's own autograd node, and nothing advised."""
+    calls = []
+
+    def mincore(address, length, vec):
+        vec[0] = 1  # resident
+        return 0
+
+    monkeypatch.setattr(memory, "MIN_BYTES", 4 * MIB)
+    monkeypatch.setattr(memory, "_libc", lambda: (lambda *a: calls.append(a) or 0, mincore))
+    x, _, w, b = (t.requires_grad_() for t in _rows(bias=True))
+    assert native.layer_norm_blocks(x.detach(), ROWS[1:], w, b, 1e-5) is None
+    y = F.layer_norm(x, ROWS[1:], w, b)
+    assert type(y.grad_fn).__name__ == "NativeLayerNormBackward0" and calls == []
 
 
 def test_mincore_residency_stops_the_advice(monkeypatch):

@@ -44,7 +44,8 @@ import sys
 import torch
 from torch import Tensor
 
-__all__ = ["MIN_BYTES", "advise_huge_pages", "empty_like", "huge_pages_available", "out_like"]
+__all__ = ["MIN_BYTES", "advise_huge_pages", "empty_like", "fresh_out_like",
+           "huge_pages_available", "out_like"]
 
 #: Smallest CPU buffer (bytes) given the huge-page advice: glibc's largest ``mmap``
 #: threshold (32 MiB on 64-bit), at and above which every allocation is a fresh mapping.
@@ -140,6 +141,30 @@ def out_like(x: Tensor, dtype: torch.dtype | None = None,
     t = torch.empty_like(x, dtype=dtype, memory_format=memory_format)
     advise_huge_pages(t)
     return t
+
+
+def fresh_out_like(x: Tensor, dtype: torch.dtype | None = None,
+                   memory_format: torch.memory_format = torch.contiguous_format
+                   ) -> Tensor | None:
+    """An ``out=`` tensor on huge pages only where torch's own allocation would fault.
+
+    As :func:`out_like`, but ``None`` also when the buffer's memory has been touched
+    already (glibc's heap handing back memory it reuses, as with
+    ``MALLOC_MMAP_MAX_=0``): there a torch kernel's own output costs no page faults, and
+    a caller that would have to copy into this buffer (torch's LayerNorm kernels have no
+    ``out=``) is better off letting the kernel allocate. The buffer is freed before
+    returning ``None``, so the kernel's allocation finds it.
+
+    Example:
+        >>> fresh_out_like(torch.ones(2, 3)) is None  # small: torch allocates
+        True
+    """
+    dtype = x.dtype if dtype is None else dtype
+    if (x.numel() * dtype.itemsize < MIN_BYTES or x.device.type != "cpu" or _libc() is None
+            or torch.compiler.is_compiling()):
+        return None
+    t = torch.empty_like(x, dtype=dtype, memory_format=memory_format)
+    return t if advise_huge_pages(t) else None
 
 
 def empty_like(x: Tensor, dtype: torch.dtype | None = None,

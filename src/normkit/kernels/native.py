@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .memory import empty_like, out_like
+from .memory import empty_like, fresh_out_like, out_like
 
 _ATEN = torch.ops.aten
 
@@ -59,6 +59,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "kernel_params",
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "HALF_BACKWARD_ONE_CALL_BELOW",
+           "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES",
            "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like"]
 
@@ -154,9 +155,134 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         return None
     if x.dtype in _HALF:
         return _layer_norm_16bit(x, shape, weight, bias, eps)
-    weight = weight_for_bias(weight, bias)
-    y, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
-    return y if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]) else None
+    kernel_weight = weight_for_bias(weight, bias)
+    blocks = layer_norm_blocks(x, shape, kernel_weight, bias, eps)
+    if blocks is None:
+        y, mean, rstd = torch.native_layer_norm(x, shape, kernel_weight, bias, eps)
+        return y if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]) else None
+    _, y, mean, rstd = blocks
+    if not well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
+        return None
+
+    def backward(dy, x, weight, bias, mask):
+        dx, dw, db = layer_norm_backward(dy, x, shape, mean, rstd,
+                                         weight_for_bias(weight, bias), bias, mask)
+        return dx, None if weight is None else dw, db
+
+    def reference(x, weight, bias):  # torch's LayerNorm (create_graph=True)
+        return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
+
+    return kernel_node(x, weight, bias, y, backward, reference)
+
+
+#: Bytes of input per block of rows in :func:`layer_norm_blocks` and LayerNorm's blocked
+#: backward (:func:`layer_norm_backward`): each block's output, written by torch's kernel
+#: into a buffer the allocator reuses, is still in cache when it is copied into the
+#: huge-page result.
+LAYER_NORM_BLOCK_BYTES = 2 << 20
+
+
+def _row_blocks(m: int, k: int, itemsize: int):
+    """Slices of ``m`` rows of ``k`` values, about :data:`LAYER_NORM_BLOCK_BYTES` each."""
+    step = max(1, LAYER_NORM_BLOCK_BYTES // (k * itemsize))
+    return (slice(start, start + step) for start in range(0, m, step))
+
+
+def layer_norm_blocks(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
+                      bias: Tensor | None, eps: float, residual: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """torch's LayerNorm kernel block by block of rows, its output copied into a result
+    on fresh huge pages: ``(s, y, mean, rstd)``, or ``None`` where that gains nothing.
+
+    torch's kernel allocates its own output, and glibc maps every allocation of 32 MiB
+    or more fresh, so at 4096 x 4096 float32 and larger each call pays a page fault per
+    4 KiB of output (~20 ms for 64 MiB on the project's VM, more than the kernel's own
+    memory traffic). Here the kernel runs on blocks of about
+    :data:`LAYER_NORM_BLOCK_BYTES`, whose outputs come from (and go back to) glibc's
+    heap, and each block is copied while in cache into one result that
+    :func:`~normkit.kernels.memory.fresh_out_like` advised ``MADV_HUGEPAGE`` (512 times
+    fewer faults). Where the result's memory is already faulted in (glibc's heap reuse,
+    ``MALLOC_MMAP_MAX_=0``: torch's own output then costs no faults), below 32 MiB, with
+    huge pages unavailable, or for input that is not contiguous float32/float64, it
+    returns ``None`` and the caller runs the kernel once over the whole tensor.
+
+    Each row is its own reduction, so ``y``, ``mean`` and ``rstd`` are the bits of the
+    whole-tensor call. With ``residual`` (``add_layer_norm``) the rows normalized are
+    ``s = x + residual``, written block by block and normalized while in cache; without
+    it ``s`` is ``x``. No autograd: the caller attaches the gradient
+    (:func:`layer_norm_backward`). ``mean`` and ``rstd`` have the kernel's shape.
+
+    Example:
+        >>> layer_norm_blocks(torch.randn(4, 8), (8,), None, None, 1e-5) is None  # small
+        True
+    """
+    if (x.dtype not in (torch.float32, torch.float64) or not x.is_contiguous()
+            or (residual is not None and (residual.dtype != x.dtype
+                                          or not residual.is_contiguous()))):
+        return None
+    y = fresh_out_like(x)
+    if y is None:
+        return None
+    k = 1
+    for size in shape:
+        k *= size
+    m = x.numel() // k
+    s = x if residual is None else empty_like(x)
+    stats_shape = x.shape[:x.dim() - len(shape)] + (1,) * len(shape)
+    mean, rstd = x.new_empty(stats_shape), x.new_empty(stats_shape)
+    w = None if weight is None else weight.reshape(k)
+    b = None if bias is None else bias.reshape(k)
+    rows, out = s.view(m, k), y.view(m, k)
+    mean_rows, rstd_rows = mean.view(m, 1), rstd.view(m, 1)
+    with torch.no_grad():
+        for block in _row_blocks(m, k, x.element_size()):
+            if residual is not None:
+                torch.add(x.view(m, k)[block], residual.view(m, k)[block], out=rows[block])
+            yb, mb, rb = torch.native_layer_norm(rows[block], (k,), w, b, eps)
+            out[block].copy_(yb)
+            mean_rows[block].copy_(mb)
+            rstd_rows[block].copy_(rb)
+    return s, y, mean, rstd
+
+
+def _layer_norm_backward_blocks(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Tensor,
+                                rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
+                                mask: list[bool], addend: Tensor | None
+                                ) -> tuple[Tensor | None, ...] | None:
+    """:func:`layer_norm_backward` of float32/float64 ``x`` block by block, ``dx`` (plus
+    ``addend``) copied into fresh huge pages, as :func:`layer_norm_blocks` does the
+    forward; ``None`` where it would gain nothing. The weight and bias gradients are the
+    blocks' partial sums added in float64."""
+    if not mask[0] or x.dtype not in (torch.float32, torch.float64):
+        return None
+    dx = fresh_out_like(x)
+    if dx is None:
+        return None
+    k = 1
+    for size in shape:
+        k *= size
+    m = x.numel() // k
+    rows, g, out = x.view(m, k), dy.reshape(m, k), dx.view(m, k)
+    add = None if addend is None else addend.reshape(m, k)
+    mean, rstd = mean.reshape(m, 1), rstd.reshape(m, 1)
+    w = None if weight is None else weight.reshape(k)
+    b = None if bias is None else bias.reshape(k)
+    dws, dbs = [], []
+    for block in _row_blocks(m, k, x.element_size()):
+        d, pw, pb = _ATEN.native_layer_norm_backward(g[block], rows[block], (k,), mean[block],
+                                                     rstd[block], w, b, mask)
+        if add is None:
+            out[block].copy_(d)
+        else:
+            torch.add(d, add[block], out=out[block])
+        dws.append(pw)
+        dbs.append(pb)
+
+    def total(parts: list[Tensor], like: Tensor) -> Tensor:
+        return torch.stack(parts).sum(0, dtype=torch.float64).to(like.dtype).view(like.shape)
+
+    return (dx, total(dws, weight) if mask[1] and weight is not None else None,
+            total(dbs, bias) if mask[2] and bias is not None else None)
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -240,9 +366,15 @@ HALF_BACKWARD_ONE_CALL_BELOW = 1 << 16
 
 def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Tensor,
                         rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
-                        mask: list[bool]) -> tuple[Tensor | None, ...]:
+                        mask: list[bool], addend: Tensor | None = None
+                        ) -> tuple[Tensor | None, ...]:
     """torch's LayerNorm backward kernel, ``(dx, dweight, dbias)`` as ``mask`` asks, for
-    contiguous ``x`` and its statistics from the forward kernel.
+    contiguous ``x`` and its statistics from the forward kernel; ``dx + addend`` with an
+    ``addend`` of ``x``'s dtype (``add_layer_norm``'s residual gradient).
+
+    float32/float64 ``x`` of 32 MiB and more whose ``dx`` would land on fresh memory runs
+    block by block, as :func:`layer_norm_blocks` does the forward (``dx`` the same bits,
+    the parameter gradients the blocks' partial sums added in float64).
 
     float16/bfloat16 ``x``: torch's 16-bit kernel gives ``dx`` (from float32 statistics
     and weight, as :func:`kernel_params` hands the forward), but it accumulates the
@@ -265,8 +397,15 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
         (torch.bfloat16, torch.float32)
     """
     if x.dtype not in _HALF:
-        return tuple(_ATEN.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias,
-                                                      mask))
+        blocks = _layer_norm_backward_blocks(dy, x, shape, mean, rstd, weight, bias, mask,
+                                             addend)
+        if blocks is not None:
+            return blocks
+        grads = tuple(_ATEN.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias,
+                                                       mask))
+        if addend is not None and grads[0] is not None:
+            grads[0].add_(addend)
+        return grads
     k = 1
     for size in shape:
         k *= size
@@ -291,6 +430,8 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
             dw, db = _layer_norm_param_grads(g, rows, mean, rstd, w, b, need_b)
         elif need_b:
             db = torch.sum(g, 0, dtype=torch.float32)
+    if addend is not None and dx is not None:
+        dx.add_(addend)
     return (dx, None if dw is None else dw.view(weight.shape).to(weight.dtype),
             None if db is None else db.view(bias.shape).to(bias.dtype))
 

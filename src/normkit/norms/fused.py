@@ -384,13 +384,22 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
             y, rstd = _rms_in_chunks(s.view(-1, k), w, eps, x.view(-1, k),
                                      residual.view(-1, k))
         return s, y.view(s.shape), None, rstd
-    s = _residual_sum(x, residual, res_dtype)
+    blocks = None
+    if center and use_native and x.dtype == res_dtype and _same_dtype(x, weight, bias):
+        # (large float32/float64 sums: block by block onto fresh huge pages, or None)
+        blocks = native.layer_norm_blocks(x, shape, native.weight_for_bias(weight, bias),
+                                          bias, eps, residual)
+    s = _residual_sum(x, residual, res_dtype) if blocks is None else blocks[0]
     rows = s.view(-1, k)  # (M, K)
     b = None if bias is None else bias.reshape(k)
     mean = rstd = None
     if center:
         y = None
-        if use_native and native.kernel_dtypes(s, weight, bias):  # (16-bit s too)
+        if blocks is not None:
+            _, y, mean, rstd = blocks
+            if not native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
+                y = mean = rstd = None
+        elif use_native and native.kernel_dtypes(s, weight, bias):  # (16-bit s too)
             # (16-bit s: float32 parameters, so that the statistics come back in float32)
             w_kernel, b_kernel = native.kernel_params(s, shape, weight, bias)
             y, mean, rstd = torch.native_layer_norm(s, shape, w_kernel, b_kernel, eps)
@@ -510,9 +519,8 @@ class _AddNormFunction(torch.autograd.Function):
             mask = [True, need_w, need_b]
             # (16-bit s in float32 blocks: torch's 16-bit kernel sums dweight in 16 bits)
             ds, dw, db = native.layer_norm_backward(
-                dnormed.to(s.dtype), s, ctx.shape, mean, rstd, weight, bias, mask)
-            if dres is not None:
-                ds.add_(dres)
+                dnormed.to(s.dtype), s, ctx.shape, mean, rstd, weight, bias, mask,
+                None if dres is None else dres.to(s.dtype))
         else:
             ds, dw = _rms_backward(ctx, s, weight, rstd, dnormed, dres, need_w)
         dx = None if not need_x or ds is None else ds.to(x_dtype)
