@@ -14,8 +14,11 @@ memory the allocator reuses, which costs no faults, is left as it is); normkit's
 compositions write their large outputs into them (``out=``). Nothing changes where
 transparent huge pages are off (``never``) or already on for all memory (``always``),
 off Linux, or with ``NORMKIT_HUGEPAGES=0`` in the environment. torch's kernels allocate
-their outputs themselves; for those, torch's own switch ``THP_MEM_ALLOC_ENABLE=1`` (read
-once at start-up) gives every allocation the advice.
+their outputs themselves; LayerNorm's (forward and backward, also in ``add_layer_norm``)
+run block by block of rows where :func:`fresh_out_like` finds fresh memory, each block
+copied into the advised result while in cache
+(:func:`normkit.kernels.native.layer_norm_blocks`); for the others, torch's own switch
+``THP_MEM_ALLOC_ENABLE=1`` (read once at start-up) gives every allocation the advice.
 
 An open trade-off, with two threads: on the project's VM a fresh advised buffer first
 written by a kernel on two threads, in a process that also allocates and frees other
