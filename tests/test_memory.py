@@ -142,10 +142,14 @@ def _image(layout):
             torch.randn(c, generator=gen)]
 
 
-#: Ops whose parameter gradients, on huge pages, are the sums of per-block partials
-#: (torch's LayerNorm kernels block by block, ``native.layer_norm_blocks``): the same
-#: values to float32 rounding, not the same bits as torch's one call.
-BLOCK_PARAMETER_SUMS = {"add_layer_norm": 2, "layer_norm": 2}  # (index of the first)
+#: Ops whose gradients, on huge pages, come from blocks of rows (torch's LayerNorm
+#: kernels block by block, ``native.layer_norm_blocks``), from the index given on: the
+#: parameter gradients are sums of per-block partials, and RMSNorm's input gradient
+#: holds one matrix-vector product per block, whose rows MKL may sum in another order
+#: than in one product over every row. The same values to float32 rounding, not the
+#: same bits as the whole-tensor calls.
+BLOCK_SUMMED_GRADIENTS = {"add_layer_norm": 2, "layer_norm": 2, "rms_norm": 0,
+                          "add_rms_norm": 0}
 
 # (op, inputs, layout) for every composition that writes a large result through out_like;
 # layouts that take torch's own kernels (which allocate for themselves) are not listed
@@ -187,7 +191,7 @@ def test_huge_page_outputs_equal_torch_allocated_ones(name, advised, monkeypatch
     monkeypatch.setattr(memory, "MIN_BYTES", 1 << 62)  # torch allocates everything
     ref_outs, ref_grads = _run(fn, inputs)
     assert not advised
-    first_sum = len(outs) + BLOCK_PARAMETER_SUMS.get(name, len(grads))
+    first_sum = len(outs) + BLOCK_SUMMED_GRADIENTS.get(name, len(grads))
     for i, (got, want) in enumerate(zip(outs + grads, ref_outs + ref_grads, strict=True)):
         if want is None:  # (an input the op does not use)
             assert got is None
@@ -248,6 +252,37 @@ def test_layer_norm_blocks_match_the_whole_kernel_call_and_float64(residual, blo
     for got, want, what in zip((grads[0], *grads[-2:]), refs, ("dx", "dweight", "dbias"),
                                strict=True):
         assert_grad_close(got, want, torch.float32, what)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_backward_blocks_match_the_whole_call_and_float64(residual, advised,
+                                                                   monkeypatch):
+    """RMSNorm's backward (LayerNorm's kernel at a zero mean plus its ``mean(g)`` term)
+    block by block onto huge pages: its gradients match the whole-tensor path's to
+    float32 rounding, and float64."""
+    monkeypatch.setattr(native, "LAYER_NORM_BLOCK_BYTES", 5 * (4096 + 8) * 4)
+    x, r, w = (t.requires_grad_() for t in _rows())
+    dy, dr = torch.randn_like(x), torch.randn_like(x)
+
+    def grads():
+        if residual:
+            normed, s = add_rms_norm(x, r, ROWS[1:], w, 1e-6)
+            return torch.autograd.grad((normed, s), (x, r, w), (dy, dr))
+        return torch.autograd.grad(F.rms_norm(x, ROWS[1:], w, 1e-6), (x, w), dy)
+
+    got = grads()
+    assert any(_holds(g, advised) for g in got[:-1])
+    monkeypatch.setattr(native, "fresh_out_like", lambda *args, **kwargs: None)
+    whole = grads()
+    for a, b in zip(got, whole, strict=True):
+        assert_grad_close(a, b, torch.float32, "blocked against whole")
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    s64 = x64 + r.detach().double() if residual else x64
+    y64 = normalize64(s64, (1,), w64, eps=1e-6, center=False)
+    refs = torch.autograd.grad((y64, s64) if residual else (y64,), (x64, w64),
+                               (dy.double(), dr.double()) if residual else (dy.double(),))
+    assert_grad_close(got[0], refs[0], torch.float32, "dx")
+    assert_grad_close(got[-1], refs[1], torch.float32, "dweight")
 
 
 def test_blocked_layer_norm_second_derivatives_match_torch(advised, monkeypatch):

@@ -247,12 +247,12 @@ def layer_norm_blocks(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
 
 def _layer_norm_backward_blocks(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Tensor,
                                 rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
-                                mask: list[bool], addend: Tensor | None
+                                mask: list[bool], addend: Tensor | None, row_term
                                 ) -> tuple[Tensor | None, ...] | None:
     """:func:`layer_norm_backward` of float32/float64 ``x`` block by block, ``dx`` (plus
-    ``addend``) copied into fresh huge pages, as :func:`layer_norm_blocks` does the
-    forward; ``None`` where it would gain nothing. The weight and bias gradients are the
-    blocks' partial sums added in float64."""
+    ``row_term`` and ``addend``) copied into fresh huge pages, as
+    :func:`layer_norm_blocks` does the forward; ``None`` where it would gain nothing. The
+    weight and bias gradients are the blocks' partial sums added in float64."""
     if not mask[0] or x.dtype not in (torch.float32, torch.float64):
         return None
     dx = fresh_out_like(x)
@@ -271,6 +271,8 @@ def _layer_norm_backward_blocks(dy: Tensor, x: Tensor, shape: tuple[int, ...], m
     for block in _row_blocks(m, k, x.element_size()):
         d, pw, pb = _ATEN.native_layer_norm_backward(g[block], rows[block], (k,), mean[block],
                                                      rstd[block], w, b, mask)
+        if row_term is not None:
+            d.add_(row_term(block))  # (the block's gradient rows still in cache)
         if add is None:
             out[block].copy_(d)
         else:
@@ -366,15 +368,19 @@ HALF_BACKWARD_ONE_CALL_BELOW = 1 << 16
 
 def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Tensor,
                         rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
-                        mask: list[bool], addend: Tensor | None = None
+                        mask: list[bool], addend: Tensor | None = None, row_term=None
                         ) -> tuple[Tensor | None, ...]:
     """torch's LayerNorm backward kernel, ``(dx, dweight, dbias)`` as ``mask`` asks, for
     contiguous ``x`` and its statistics from the forward kernel; ``dx + addend`` with an
-    ``addend`` of ``x``'s dtype (``add_layer_norm``'s residual gradient).
+    ``addend`` of ``x``'s dtype (``add_layer_norm``'s residual gradient), and with
+    ``row_term`` (float32/float64 ``x``; a function of a slice of the ``M`` rows, as
+    ``(M, K)``, giving an ``(rows, 1)`` tensor) that term added to those rows of ``dx``
+    first (RMSNorm's, which LayerNorm's gradient lacks).
 
     float32/float64 ``x`` of 32 MiB and more whose ``dx`` would land on fresh memory runs
-    block by block, as :func:`layer_norm_blocks` does the forward (``dx`` the same bits,
-    the parameter gradients the blocks' partial sums added in float64).
+    block by block, as :func:`layer_norm_blocks` does the forward (``dx`` the same bits
+    but for ``row_term``, which is then called per block, the parameter gradients the
+    blocks' partial sums added in float64).
 
     float16/bfloat16 ``x``: torch's 16-bit kernel gives ``dx`` (from float32 statistics
     and weight, as :func:`kernel_params` hands the forward), but it accumulates the
@@ -398,14 +404,22 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
     """
     if x.dtype not in _HALF:
         blocks = _layer_norm_backward_blocks(dy, x, shape, mean, rstd, weight, bias, mask,
-                                             addend)
+                                             addend, row_term)
         if blocks is not None:
             return blocks
         grads = tuple(_ATEN.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias,
                                                        mask))
+        if row_term is not None and grads[0] is not None:
+            k = 1
+            for size in shape:
+                k *= size
+            grads[0].view(-1, k).add_(row_term(slice(None)))
         if addend is not None and grads[0] is not None:
             grads[0].add_(addend)
         return grads
+    if row_term is not None:
+        raise ValueError(f"layer_norm_backward's row_term takes float32/float64 input, got "
+                         f"{x.dtype}")
     k = 1
     for size in shape:
         k *= size

@@ -579,13 +579,18 @@ def _rms_backward_native(ctx, s, weight, rstd, dnormed, dres, need_w):
     g = dnormed.reshape(rows.shape)
     g = g if g.is_contiguous() else g.contiguous()
     w = None if weight is None else weight.reshape(k)
+    rstd = rstd.view(-1, 1)
     zero = torch.zeros_like(rstd)
-    ds, dw, _ = _ATEN.native_layer_norm_backward(g, rows, (k,), zero, rstd, w, None,
-                                                 [True, need_w and w is not None, False])
-    mean_g = (g @ w if w is not None else g.sum(1)).view(-1, 1)  # (M, 1)
-    ds.add_(mean_g.mul_(rstd).div_(k))  # (addcmul_ of two (M, 1) operands is ~6x slower)
-    if dres is not None:
-        ds.add_(dres.reshape(ds.shape))
+
+    def mean_g_term(block: slice) -> Tensor:  # (rows, 1): rstd * mean(g) of those rows
+        gb = g[block]
+        mean_g = (gb @ w if w is not None else gb.sum(1)).view(-1, 1)
+        return mean_g.mul_(rstd[block]).div_(k)  # (addcmul_ of two (M, 1) operands: ~6x slower)
+
+    # (from 32 MiB of fresh output, block by block onto huge pages: native.layer_norm_blocks)
+    ds, dw, _ = native.layer_norm_backward(
+        g, rows, (k,), zero, rstd, w, None, [True, need_w and w is not None, False],
+        None if dres is None else dres.reshape(rows.shape), mean_g_term)
     return ds.view(s.shape), None if dw is None else dw.view(weight.shape)
 
 
