@@ -182,6 +182,21 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
 LAYER_NORM_BLOCK_BYTES = 2 << 20
 
 
+def _blocks_setup(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
+                  bias: Tensor | None):
+    """``(out, m, k, w, b)`` for a blocked LayerNorm kernel call over ``x``'s ``(m, k)``
+    rows -- ``out`` a fresh huge-page result, ``w``/``b`` flat -- or ``None`` where
+    :func:`~normkit.kernels.memory.fresh_out_like` gives no result (nothing to gain)."""
+    out = fresh_out_like(x)
+    if out is None:
+        return None
+    k = 1
+    for size in shape:
+        k *= size
+    return (out, x.numel() // k, k, None if weight is None else weight.reshape(k),
+            None if bias is None else bias.reshape(k))
+
+
 def _row_blocks(m: int, k: int, itemsize: int):
     """Slices of ``m`` rows of ``k`` values, about :data:`LAYER_NORM_BLOCK_BYTES` each."""
     step = max(1, LAYER_NORM_BLOCK_BYTES // (k * itemsize))
@@ -220,18 +235,13 @@ def layer_norm_blocks(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
             or (residual is not None and (residual.dtype != x.dtype
                                           or not residual.is_contiguous()))):
         return None
-    y = fresh_out_like(x)
-    if y is None:
+    setup = _blocks_setup(x, shape, weight, bias)
+    if setup is None:
         return None
-    k = 1
-    for size in shape:
-        k *= size
-    m = x.numel() // k
+    y, m, k, w, b = setup
     s = x if residual is None else empty_like(x)
     stats_shape = x.shape[:x.dim() - len(shape)] + (1,) * len(shape)
     mean, rstd = x.new_empty(stats_shape), x.new_empty(stats_shape)
-    w = None if weight is None else weight.reshape(k)
-    b = None if bias is None else bias.reshape(k)
     rows, out = s.view(m, k), y.view(m, k)
     mean_rows, rstd_rows = mean.view(m, 1), rstd.view(m, 1)
     with torch.no_grad():
@@ -255,18 +265,13 @@ def _layer_norm_backward_blocks(dy: Tensor, x: Tensor, shape: tuple[int, ...], m
     weight and bias gradients are the blocks' partial sums added in float64."""
     if not mask[0] or x.dtype not in (torch.float32, torch.float64):
         return None
-    dx = fresh_out_like(x)
-    if dx is None:
+    setup = _blocks_setup(x, shape, weight, bias)
+    if setup is None:
         return None
-    k = 1
-    for size in shape:
-        k *= size
-    m = x.numel() // k
+    dx, m, k, w, b = setup
     rows, g, out = x.view(m, k), dy.reshape(m, k), dx.view(m, k)
     add = None if addend is None else addend.reshape(m, k)
     mean, rstd = mean.reshape(m, 1), rstd.reshape(m, 1)
-    w = None if weight is None else weight.reshape(k)
-    b = None if bias is None else bias.reshape(k)
     dws, dbs = [], []
     for block in _row_blocks(m, k, x.element_size()):
         d, pw, pb = _ATEN.native_layer_norm_backward(g[block], rows[block], (k,), mean[block],
