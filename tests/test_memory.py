@@ -142,14 +142,15 @@ def _image(layout):
             torch.randn(c, generator=gen)]
 
 
-#: Ops whose gradients, on huge pages, come from blocks of rows (torch's LayerNorm
-#: kernels block by block, ``native.layer_norm_blocks``), from the index given on: the
+#: Ops whose gradients, on huge pages, come from blocks of rows or samples (torch's
+#: LayerNorm and GroupNorm kernels block by block, ``native.layer_norm_blocks``), from the
+#: index given on: the
 #: parameter gradients are sums of per-block partials, and RMSNorm's input gradient
 #: holds one matrix-vector product per block, whose rows MKL may sum in another order
 #: than in one product over every row. The same values to float32 rounding, not the
 #: same bits as the whole-tensor calls.
 BLOCK_SUMMED_GRADIENTS = {"add_layer_norm": 2, "layer_norm": 2, "rms_norm": 0,
-                          "add_rms_norm": 0}
+                          "add_rms_norm": 0, "group_norm_nchw": 1, "instance_norm_nchw": 1}
 
 # (op, inputs, layout) for every composition that writes a large result through out_like;
 # layouts that take torch's own kernels (which allocate for themselves) are not listed
@@ -177,6 +178,9 @@ CASES = {
                                                            act="leaky_relu"),
                             _image, "contiguous"),
     "layer_norm2d_nchw": (lambda x, w, b: F.layer_norm2d(x, w, b), _image, "contiguous"),
+    "group_norm_nchw": (lambda x, w, b: F.group_norm(x, 8, w, b), _image, "contiguous"),
+    "instance_norm_nchw": (lambda x, w, b: F.instance_norm(x, weight=w, bias=b), _image,
+                           "contiguous"),
 }
 
 
@@ -283,6 +287,34 @@ def test_rms_norm_backward_blocks_match_the_whole_call_and_float64(residual, adv
                                (dy.double(), dr.double()) if residual else (dy.double(),))
     assert_grad_close(got[0], refs[0], torch.float32, "dx")
     assert_grad_close(got[-1], refs[1], torch.float32, "dweight")
+
+
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm"])
+@pytest.mark.parametrize("block_bytes", [1 << 12, 3 * 48 * 88 * 64 * 4, 1 << 30])
+def test_group_norm_blocks_match_the_whole_kernel_call_and_float64(op, block_bytes, advised,
+                                                                   monkeypatch):
+    """torch's GroupNorm kernels (InstanceNorm's too) block by block of samples onto huge
+    pages (one sample per block, three and a short last one, one block): output and input
+    gradient are the whole call's bits, the parameter gradients match float64."""
+    monkeypatch.setattr(native, "LAYER_NORM_BLOCK_BYTES", block_bytes)
+    x, w, b = (t.requires_grad_() for t in _image("contiguous"))
+    dy = torch.randn_like(x)
+    groups = 8 if op == "group_norm" else IMAGE[1]
+
+    def run(fn):
+        y = fn(x, groups, w, b, 1e-5)
+        return (y.detach(), *torch.autograd.grad(y, (x, w, b), dy))
+
+    got = run(F.group_norm if op == "group_norm" else
+              lambda x, g, w, b, eps: F.instance_norm(x, weight=w, bias=b, eps=eps))
+    assert _holds(got[0], advised) and _holds(got[1], advised)
+    want = run(torch.nn.functional.group_norm)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    y64 = torch.nn.functional.group_norm(x64, groups, w64, b64, 1e-5)
+    refs = torch.autograd.grad(y64, (x64, w64, b64), dy.double())
+    for g, ref, what in zip(got[1:], refs, ("dx", "dweight", "dbias"), strict=True):
+        assert_grad_close(g, ref, torch.float32, what)
 
 
 def test_blocked_layer_norm_second_derivatives_match_torch(advised, monkeypatch):
