@@ -138,13 +138,21 @@ def out_like(x: Tensor, dtype: torch.dtype | None = None,
         tensor([[2., 2., 2.],
                 [2., 2., 2.]])
     """
+    allocated = _advised_empty_like(x, dtype, memory_format)
+    return None if allocated is None else allocated[0]
+
+
+def _advised_empty_like(x: Tensor, dtype: torch.dtype | None,
+                        memory_format: torch.memory_format) -> tuple[Tensor, bool] | None:
+    """``(t, advised)``: a fresh uninitialized tensor like ``x`` and whether its memory was
+    untouched and got the huge-page advice; ``None`` (nothing allocated) below
+    :data:`MIN_BYTES`, off the CPU, without huge pages or while compiling."""
     dtype = x.dtype if dtype is None else dtype
     if (x.numel() * dtype.itemsize < MIN_BYTES or x.device.type != "cpu" or _libc() is None
             or torch.compiler.is_compiling()):  # (traced tensors have no memory to advise)
         return None
     t = torch.empty_like(x, dtype=dtype, memory_format=memory_format)
-    advise_huge_pages(t)
-    return t
+    return t, advise_huge_pages(t)
 
 
 def fresh_out_like(x: Tensor, dtype: torch.dtype | None = None,
@@ -163,12 +171,8 @@ def fresh_out_like(x: Tensor, dtype: torch.dtype | None = None,
         >>> fresh_out_like(torch.ones(2, 3)) is None  # small: torch allocates
         True
     """
-    dtype = x.dtype if dtype is None else dtype
-    if (x.numel() * dtype.itemsize < MIN_BYTES or x.device.type != "cpu" or _libc() is None
-            or torch.compiler.is_compiling()):
-        return None
-    t = torch.empty_like(x, dtype=dtype, memory_format=memory_format)
-    return t if advise_huge_pages(t) else None
+    allocated = _advised_empty_like(x, dtype, memory_format)
+    return allocated[0] if allocated is not None and allocated[1] else None
 
 
 def empty_like(x: Tensor, dtype: torch.dtype | None = None,

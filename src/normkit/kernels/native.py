@@ -43,6 +43,8 @@ take the robust path, which propagates them exactly as torch does.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -190,9 +192,7 @@ def _blocks_setup(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     out = fresh_out_like(x)
     if out is None:
         return None
-    k = 1
-    for size in shape:
-        k *= size
+    k = math.prod(shape)
     return (out, x.numel() // k, k, None if weight is None else weight.reshape(k),
             None if bias is None else bias.reshape(k))
 
@@ -412,10 +412,7 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
         grads = tuple(_ATEN.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias,
                                                        mask))
         if row_term is not None and grads[0] is not None:
-            k = 1
-            for size in shape:
-                k *= size
-            grads[0].view(-1, k).add_(row_term(slice(None)))
+            grads[0].view(-1, math.prod(shape)).add_(row_term(slice(None)))
         if addend is not None and grads[0] is not None:
             grads[0].add_(addend)
         return grads
