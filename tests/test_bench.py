@@ -81,6 +81,7 @@ def test_json_schema(doc):
     assert list(env["copy_bandwidth_gbs"]) == ["1"] and env["copy_bandwidth_gbs"]["1"] > 0
     assert set(env["load_average"]) == {"start", "end"}
     assert env["allocator"]["normkit_huge_pages"] is memory.huge_pages_available()
+    assert env["allocator"]["page_reporting_order"] == runner.page_reporting_order()
     assert "allocator: transparent huge pages" in report.to_markdown(doc)
     assert doc["settings"]["shape_list"] == ["8x16", "2x4x3x3:cl"]
     assert doc["settings"]["repeats"] == 2
@@ -91,6 +92,24 @@ def test_json_schema(doc):
     for name in ("torch.compile", "normkit.compile"):
         assert doc["implementations"][name] == {
             "used": False, "reason": "not requested (--compile)"}
+
+
+def test_page_reporting_order_is_read_and_reported(doc, tmp_path, monkeypatch):
+    setting = tmp_path / "page_reporting_order"
+    monkeypatch.setattr(runner, "_PAGE_REPORTING_ORDER", str(setting))
+    assert runner.page_reporting_order() is None  # no balloon driver reporting
+    setting.write_text("9\n")
+    assert runner.page_reporting_order() == 9
+    assert runner.allocator()["page_reporting_order"] == 9
+    env = dict(doc["environment"], allocator=dict(doc["environment"]["allocator"]))
+    env["allocator"]["page_reporting_order"] = 9
+    line = report.to_markdown(dict(doc, environment=env))
+    assert ("free page reporting to the hypervisor from 2048 KiB blocks (order 9: freed "
+            "huge pages are backed afresh by the host)") in line
+    env["allocator"]["page_reporting_order"] = 11
+    assert "from 8192 KiB blocks (order 11)" in report.to_markdown(dict(doc, environment=env))
+    del env["allocator"]["page_reporting_order"]  # a run saved before it was recorded
+    assert "free page reporting" not in report.to_markdown(dict(doc, environment=env))
 
 
 def test_results_cover_every_case_and_pass(doc):

@@ -148,9 +148,15 @@ def _allocator_lines(env: dict) -> list[str]:
     if alloc is None or env["device"] != "cpu":
         return []
     variables = ", ".join(f"{k}={v}" for k, v in alloc["variables"].items()) or "none set"
+    order = alloc.get("page_reporting_order")  # (recorded since 2026-12-02)
+    reporting = ""
+    if order is not None:
+        huge = ": freed huge pages are backed afresh by the host" if order <= 9 else ""
+        reporting = (f"; free page reporting to the hypervisor from "
+                     f"{(4096 << order) >> 10} KiB blocks (order {order}{huge})")
     return [f"- allocator: transparent huge pages `{alloc['transparent_hugepage']}`; normkit "
             f"huge-page outputs {'on' if alloc['normkit_huge_pages'] else 'off'}; "
-            f"allocator variables: {variables}"]
+            f"allocator variables: {variables}{reporting}"]
 
 
 def _cache_line(flush_mib: int) -> str:

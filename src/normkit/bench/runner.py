@@ -25,7 +25,7 @@ JSON document (``schema`` = :data:`SCHEMA`)::
                      "input", "input_doc", "copy_bandwidth_gbs": {"1": 9.8},
                      "copy_buffer_bytes", "memory_method", "load_average": {"start", "end"},
                      "allocator": {"transparent_hugepage", "normkit_huge_pages",
-                                   "variables"}},
+                                   "page_reporting_order", "variables"}},
      "settings": {"ops", "shapes", "shape_list", "repeats", "warmup", "min_time_s",
                   "compile", "seed", "flush_mib"},
      "implementations": {"torch": {"used": true, "reason": null}, "liger": {...}, ...},
@@ -290,16 +290,41 @@ _ALLOCATOR_VARIABLES = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TR
                         "THP_MEM_ALLOC_ENABLE", "NORMKIT_HUGEPAGES", "LD_PRELOAD")
 
 
+_PAGE_REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_order"
+
+
+def page_reporting_order() -> int | None:
+    """The order of the smallest free block a virtual machine's balloon driver reports
+    to its hypervisor (free page reporting: the host then drops the block's memory and
+    backs it afresh on the guest's next touch), or ``None`` where nothing reports (bare
+    metal, a VM without it, not Linux). At order 9 every freed 2 MiB huge page goes back
+    to the host, so large fresh outputs pay the host's faults too (``benchmarks/RESULTS.md``,
+    "Huge pages with two threads").
+
+    Example:
+        >>> order = page_reporting_order()
+        >>> order is None or order >= 0
+        True
+    """
+    try:
+        with open(_PAGE_REPORTING_ORDER) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def allocator() -> dict:
     """How large CPU buffers are allocated in this process: the transparent-huge-page
-    setting, whether normkit advises huge pages (:mod:`normkit.kernels.memory`) and the
-    allocator variables set in the environment (glibc's heap reuse, torch's THP switch, a
-    preloaded jemalloc/tcmalloc). Large out-of-place ops are bound by first-touch page
-    faults, so their times depend on these.
+    setting, whether normkit advises huge pages (:mod:`normkit.kernels.memory`), the
+    order of the free blocks a VM reports to its hypervisor
+    (:func:`page_reporting_order`) and the allocator variables set in the environment
+    (glibc's heap reuse, torch's THP switch, a preloaded jemalloc/tcmalloc). Large
+    out-of-place ops are bound by first-touch page faults, so their times depend on
+    these.
 
     Example:
         >>> sorted(allocator())
-        ['normkit_huge_pages', 'transparent_hugepage', 'variables']
+        ['normkit_huge_pages', 'page_reporting_order', 'transparent_hugepage', 'variables']
     """
     from ..kernels import memory
 
@@ -310,6 +335,7 @@ def allocator() -> dict:
         thp = None
     return {"transparent_hugepage": thp,
             "normkit_huge_pages": memory.huge_pages_available(),
+            "page_reporting_order": page_reporting_order(),
             "variables": {k: os.environ[k] for k in _ALLOCATOR_VARIABLES if k in os.environ}}
 
 
