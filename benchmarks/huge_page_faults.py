@@ -10,7 +10,7 @@ backward's gradients, say), freed each round, for each thread count and each way
 * ``faulted``: ``MADV_HUGEPAGE``, then every huge page faulted in from the calling
   thread (one byte written per 2 MiB) before the fill -- tried in ``advise_huge_pages``
   with more than one thread and not adopted (``benchmarks/RESULTS.md``, "Huge pages with
-  two threads: an open trade-off").
+  two threads: this VM's free page reporting").
 
 Prints a Markdown table of the median ms per fill, and, in a virtual machine whose
 balloon driver reports free memory to the hypervisor (``normkit.bench.runner.

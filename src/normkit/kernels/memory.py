@@ -21,20 +21,21 @@ copied into the advised result while in cache
 (:func:`normkit.kernels.native.layer_norm_blocks`); for the others, torch's own switch
 ``THP_MEM_ALLOC_ENABLE=1`` (read once at start-up) gives every allocation the advice.
 
-An open trade-off, with two threads: on the project's VM a fresh advised buffer first
-written by a kernel on two threads, in a process that also allocates and frees other
-large buffers (as a training step does), can fault ~10x slower than with one thread
-(``benchmarks/huge_page_faults.py``: 80-108 ms to fill 64 MiB against 7-8 ms; 16-19 ms
-unadvised). Faulting the pages in from one thread first removes that (10 ms), and the
-bench's two-thread RMSNorm and add-norm rows at 4096 x 4096 and 8192 stopped dipping,
-but it cost BatchNorm, BatchNormAct and GroupNorm 10-24% at 64x64x56x56, which never
-dipped: not adopted (RESULTS.md, "Huge pages with two threads: an open trade-off").
+In a virtual machine whose balloon driver reports free 2 MiB blocks to the hypervisor
+(free page reporting at order 9, as on the project's VM; ``normkit bench`` prints the
+order in its header), every freed huge page goes back to the host, and the next fault on
+one makes the host back it afresh: two threads faulting such pages at once stalled there
+(``benchmarks/huge_page_faults.py``: 68-101 ms to fill 64 MiB against 4-8 ms once the
+guest's memory was backed; 14-33 ms unadvised). Elsewhere -- and on that VM with the
+reporting off -- the advised outputs were faster than plain ones at one and two threads
+in every bench row measured (RESULTS.md, "Huge pages with two threads: this VM's free
+page reporting").
 
-The trade-off is the kernel's: with ``/sys/kernel/mm/transparent_hugepage/defrag`` at its
+Another cost is the kernel's: with ``/sys/kernel/mm/transparent_hugepage/defrag`` at its
 usual ``madvise``, a fault in an advised range may compact memory to find a free 2 MiB
 page, which on a long-running machine with fragmented memory can stall that fault
 (never seen here: ``compact_stall`` in ``/proc/vmstat`` stayed 0 over every benchmark).
-``NORMKIT_HUGEPAGES=0`` is the way out if it shows.
+``NORMKIT_HUGEPAGES=0`` is the way out if either shows.
 """
 
 from __future__ import annotations
