@@ -604,6 +604,100 @@ def test_group_norm_act_with_broadcast_gradient_and_3d_input(layout):
     check_grads(got, expected, torch.float64, ["dx", "dw", "db"])
 
 
+@pytest.fixture
+def gn_act_blocks(monkeypatch):
+    """GroupNormAct's blocked path (``fused._group_norm_act_blocks``) at any size, as if
+    every output's memory were fresh; yields the list of the blocked forwards that served
+    (their outputs)."""
+    from normkit.norms import fused as fused_mod
+
+    monkeypatch.setattr(fused_mod, "fresh_out_like", lambda x: torch.empty_like(x))
+    served, blocks = [], fused_mod._group_norm_act_blocks
+
+    def spy(*args, **kwargs):
+        out = blocks(*args, **kwargs)
+        if out is not None:
+            served.append(out[0])
+        return out
+
+    monkeypatch.setattr(fused_mod, "_group_norm_act_blocks", spy)
+    return served
+
+
+@pytest.mark.parametrize("block_bytes", [1, 2 * 6 * 4 * 5 * 4, 1 << 30],
+                         ids=["one-sample", "two-samples", "whole"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_group_norm_act_blocks_match_torch_and_float64(act, affine, block_bytes,
+                                                       gn_act_blocks, monkeypatch):
+    """torch's GroupNorm kernels block by block of samples, each block activated and
+    differentiated while in cache (blocks of one sample, of two and a short last one,
+    one block): the pre-activation is the bits of torch's GroupNorm over the whole
+    tensor; the output and gradients match torch's GroupNorm then activation to float32
+    rounding (an elementwise kernel may round a block's last values in its scalar tail,
+    and normkit differentiates ELU from its output) and float64, and inference gives the
+    same output."""
+    from normkit.kernels import native
+
+    monkeypatch.setattr(native, "LAYER_NORM_BLOCK_BYTES", block_bytes)
+    x0 = make_input((5, 6, 4, 5), torch.float32, "contiguous", seed=13, scale=2.0,
+                    offset=0.5)
+    w, b = params(6, torch.float32, affine)
+    x = x0.clone().requires_grad_()
+    z = group_norm_act(x, 3, w, b, act=act)
+    assert len(gn_act_blocks) == 1 and gn_act_blocks[0] is z
+    wt, bt = (None, None) if not affine else (leaf64(w).float(), leaf64(b).float())
+    if not make_activation(act).from_output:  # (the pre-activation, kept for backward)
+        kept = z.grad_fn.saved_tensors[2]
+        assert torch.equal(kept, TF.group_norm(x0, 3, wt, bt))
+    dz = torch.randn(z.shape, generator=torch.Generator().manual_seed(3))
+    got = grads_of(z, [x, w, b], dz)
+    xt = x0.clone().requires_grad_()
+    zt = make_activation(act)(TF.group_norm(xt, 3, wt, bt))
+    want = grads_of(zt, [xt, wt, bt], dz)
+    assert_close(z, zt, torch.float32)
+    check_grads(got, want, torch.float32, ["dx", "dw", "db"])
+    x64, w64, b64 = leaf64(x0), leaf64(w), leaf64(b)
+    ref = gn_act64(x64, 3, w64, b64, act)
+    assert_close(z, ref, torch.float32)
+    check_grads(got, grads_of(ref, [x64, w64, b64], dz.double()), torch.float32,
+                ["dx", "dw", "db"])
+    with torch.no_grad():
+        assert torch.equal(group_norm_act(x0, 3, w, b, act=act), z)
+    assert len(gn_act_blocks) == 2
+
+
+def test_group_norm_act_blocks_fall_back_where_torch_is_inaccurate(gn_act_blocks):
+    """At 1e4 std of offset torch's GroupNorm kernel is off: the blocked path declines and
+    the compensated core serves, forward and backward."""
+    x0 = make_input((5, 6, 4, 5), torch.float32, "contiguous", seed=14, offset=1e4)
+    w, b = params(6, torch.float32, True)
+    x = x0.clone().requires_grad_()
+    z = group_norm_act(x, 3, w, b, act="silu")
+    assert not gn_act_blocks
+    x64, w64, b64 = leaf64(x0), leaf64(w), leaf64(b)
+    ref = gn_act64(x64, 3, w64, b64, "silu")
+    assert_close(z, ref, torch.float32)
+    dz = torch.randn(z.shape, dtype=torch.float64)
+    check_grads(grads_of(z, [x, w, b], dz.float()), grads_of(ref, [x64, w64, b64], dz),
+                torch.float32, ["dx", "dw", "db"])
+
+
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_group_norm_act_blocks_gradcheck(act, gn_act_blocks, monkeypatch):
+    """float64 through the blocked path, first and second derivatives."""
+    from normkit.kernels import native
+
+    monkeypatch.setattr(native, "LAYER_NORM_BLOCK_BYTES", 1)  # a block per sample
+    x = make_input((3, 4, 2, 3), torch.float64, "contiguous", seed=18,
+                   offset=0.3).requires_grad_()
+    w, b = _f64(4, seed=1), _f64(4, seed=2)
+    fn = lambda x, w, b: group_norm_act(x, 2, w, b, act=act)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+    assert torch.autograd.gradgradcheck(fn, (x, w, b))
+    assert gn_act_blocks
+
+
 def test_group_norm_act_errors():
     with pytest.raises(ValueError, match=r"GroupNormAct expected input of shape \(N, 6, \*\)"):
         GroupNormAct(3, 6)(torch.randn(2, 4, 5))

@@ -150,7 +150,8 @@ def _image(layout):
 #: than in one product over every row. The same values to float32 rounding, not the
 #: same bits as the whole-tensor calls.
 BLOCK_SUMMED_GRADIENTS = {"add_layer_norm": 2, "layer_norm": 2, "rms_norm": 0,
-                          "add_rms_norm": 0, "group_norm_nchw": 1, "instance_norm_nchw": 1}
+                          "add_rms_norm": 0, "group_norm_nchw": 1, "instance_norm_nchw": 1,
+                          "group_norm_act_nchw": 1}
 
 # (op, inputs, layout) for every composition that writes a large result through out_like;
 # layouts that take torch's own kernels (which allocate for themselves) are not listed
@@ -166,6 +167,8 @@ CASES = {
                                      residual_in_fp32=True), _rows, None),
     "group_norm_act_channels_last": (lambda x, w, b: group_norm_act(x, 8, w, b, act="silu"),
                                      _image, "channels_last"),
+    "group_norm_act_nchw": (lambda x, w, b: group_norm_act(x, 8, w, b, act="silu"), _image,
+                            "contiguous"),
     "group_norm_channels_last": (lambda x, w, b: F.group_norm(x, 8, w, b), _image,
                                  "channels_last"),
     "instance_norm_channels_last": (lambda x, w, b: F.instance_norm(x, weight=w, bias=b),

@@ -15,9 +15,9 @@ compositions write their large outputs into them (``out=``). Nothing changes whe
 transparent huge pages are off (``never``) or already on for all memory (``always``),
 off Linux, or with ``NORMKIT_HUGEPAGES=0`` in the environment. torch's kernels allocate
 their outputs themselves; LayerNorm's (forward and backward, also in ``add_layer_norm``,
-and in RMSNorm's backward) and GroupNorm's (GroupNorm and InstanceNorm on NCHW) run block
-by block of rows or samples where :func:`fresh_out_like` finds fresh memory, each block
-copied into the advised result while in cache
+and in RMSNorm's backward) and GroupNorm's (GroupNorm, GroupNormAct and InstanceNorm on
+NCHW) run block by block of rows or samples where :func:`fresh_out_like` finds fresh
+memory, each block copied into the advised result while in cache
 (:func:`normkit.kernels.native.layer_norm_blocks`); for the others, torch's own switch
 ``THP_MEM_ALLOC_ENABLE=1`` (read once at start-up) gives every allocation the advice.
 

@@ -63,7 +63,8 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "HALF_BACKWARD_ONE_CALL_BELOW",
            "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES",
            "kernel_node",
-           "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like"]
+           "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like",
+           "sample_blocks", "float64_total"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -285,8 +286,8 @@ def _layer_norm_backward_blocks(dy: Tensor, x: Tensor, shape: tuple[int, ...], m
         dws.append(pw)
         dbs.append(pb)
 
-    return (dx, _float64_total(dws, weight) if mask[1] and weight is not None else None,
-            _float64_total(dbs, bias) if mask[2] and bias is not None else None)
+    return (dx, float64_total(dws, weight) if mask[1] and weight is not None else None,
+            float64_total(dbs, bias) if mask[2] and bias is not None else None)
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -596,7 +597,7 @@ def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, gro
     return kernel_node(x, weight, bias, y, backward, reference), mean, rstd
 
 
-def _sample_blocks(x: Tensor):
+def sample_blocks(x: Tensor):
     """Slices of ``x``'s samples (dim 0), about :data:`LAYER_NORM_BLOCK_BYTES` each."""
     return _row_blocks(x.shape[0], x[0].numel(), x.element_size())
 
@@ -622,7 +623,7 @@ def _group_norm_blocks(x: Tensor, weight: Tensor | None, bias: Tensor | None, gr
     hxw = x.shape[2:].numel()
     mean, rstd = x.new_empty(n, groups), x.new_empty(n, groups)
     with torch.no_grad():
-        for block in _sample_blocks(x):
+        for block in sample_blocks(x):
             xb = x[block]
             yb, mb, rb = torch.native_group_norm(xb, weight, bias, xb.shape[0], c, hxw,
                                                  groups, eps)
@@ -645,7 +646,7 @@ def _group_norm_backward_blocks(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tenso
         return None
     c, hxw = x.shape[1], x.shape[2:].numel()
     dws, dbs = [], []
-    for block in _sample_blocks(x):
+    for block in sample_blocks(x):
         xb = x[block]
         d, pw, pb = _ATEN.native_group_norm_backward(dy[block], xb, mean[block], rstd[block],
                                                      weight, xb.shape[0], c, hxw, groups,
@@ -653,11 +654,11 @@ def _group_norm_backward_blocks(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tenso
         dx[block].copy_(d)
         dws.append(pw)
         dbs.append(pb)
-    return (dx, _float64_total(dws, weight) if mask[1] and weight is not None else None,
-            _float64_total(dbs, bias) if mask[2] and bias is not None else None)
+    return (dx, float64_total(dws, weight) if mask[1] and weight is not None else None,
+            float64_total(dbs, bias) if mask[2] and bias is not None else None)
 
 
-def _float64_total(parts: list[Tensor], like: Tensor) -> Tensor:
+def float64_total(parts: list[Tensor], like: Tensor) -> Tensor:
     """The sum of per-block partial gradients, added in float64, in ``like``'s dtype."""
     return torch.stack(parts).sum(0, dtype=torch.float64).to(like.dtype).view(like.shape)
 

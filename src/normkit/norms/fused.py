@@ -105,7 +105,7 @@ from .. import _stats
 from .. import functional as F
 from ..kernels import channels, library, native
 from ..kernels import triton as tk
-from ..kernels.memory import out_like
+from ..kernels.memory import empty_like, fresh_out_like, out_like
 from ._base import BackendMixin
 from ._core import (
     affine_view,
@@ -1336,10 +1336,96 @@ def _group_norm_for_act(x, weight, bias, groups, eps, use_native, for_backward=T
     return y, mean, rstd, path
 
 
+def _group_norm_act_blocks(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                           groups: int, eps: float, act: Activation, keep_input: bool):
+    """GroupNorm + activation of contiguous float32/float64 ``(N, C, *)`` input whose
+    output would land on fresh memory, block by block of samples (about
+    ``native.LAYER_NORM_BLOCK_BYTES`` each) onto huge pages: ``(z, y, mean, rstd)``, or
+    ``None`` for other input, where the output's memory would not be fresh
+    (:func:`~normkit.kernels.memory.fresh_out_like`: below 32 MiB, glibc's heap reuse,
+    no huge pages), or where torch's kernel is not accurate for it
+    (``native.THRESHOLDS``).
+
+    torch's GroupNorm kernel allocates its own output -- at these sizes a fresh mapping
+    faulted in 4 KiB pages, as is the activation's output after it. Here the kernel
+    normalizes a block into a buffer glibc's heap reuses, the activation runs on it in
+    place while it is in cache, and only the output ``z`` is written to the huge-page
+    result -- plus the pre-activation ``y`` with ``keep_input`` (the backward of SiLU
+    and GELU reads it; ``None`` otherwise). Each sample's groups are their own
+    reductions, so ``y``, ``mean`` and ``rstd`` are the whole call's bits; ``z`` equals
+    the activation over the whole tensor to float32 rounding (an elementwise kernel may
+    round a block's last values in its scalar tail). Where the memory is not fresh the
+    whole-tensor calls are faster (``benchmarks/RESULTS.md``, "GroupNormAct on NCHW:
+    torch's kernels block by block onto huge pages"). No autograd:
+    :class:`_GroupNormActFunction` attaches the gradient
+    (:func:`_group_norm_act_backward_blocks`).
+
+    Example:
+        >>> act = make_activation("silu")
+        >>> _group_norm_act_blocks(torch.randn(2, 4, 3), None, None, 2, 1e-5, act,
+        ...                        True) is None  # small: nothing to gain
+        True
+    """
+    if x.dtype not in _WIDE or not x.is_contiguous() or not _same_dtype(x, weight, bias):
+        return None
+    z = fresh_out_like(x)
+    if z is None:
+        return None
+    n, c = x.shape[:2]
+    hxw = x.shape[2:].numel()
+    w, b = native.kernel_params(x, (c,), weight, bias)
+    y = empty_like(x) if keep_input else None
+    mean, rstd = x.new_empty(n, groups), x.new_empty(n, groups)
+    with torch.no_grad():
+        for block in native.sample_blocks(x):
+            xb = x[block]
+            yb, mb, rb = torch.native_group_norm(xb, w, b, xb.shape[0], c, hxw, groups, eps)
+            mean[block].copy_(mb)
+            rstd[block].copy_(rb)
+            if y is not None:
+                y[block].copy_(yb)
+            z[block].copy_(act.apply_(yb))
+    if not native.well_conditioned(mean, rstd, native.THRESHOLDS["group_norm"]):
+        return None
+    return z, y, mean, rstd
+
+
+def _group_norm_act_backward_blocks(dz: Tensor, x: Tensor, z: Tensor | None,
+                                    y: Tensor | None, mean: Tensor, rstd: Tensor,
+                                    weight: Tensor | None, bias: Tensor | None, groups: int,
+                                    act: Activation, mask: list[bool]) -> tuple:
+    """The backward of :func:`_group_norm_act_blocks`, block by block of samples: the
+    activation's derivative of a block (from ``z`` or ``y``), then torch's GroupNorm
+    backward kernel on it while in cache; ``dx`` equals the whole-tensor calls' to float32
+    rounding, the weight and bias gradients are the blocks' partial sums added in
+    float64."""
+    dz = dz.contiguous()  # (the kernel reads dy in x's layout)
+    n, c = x.shape[:2]
+    hxw = x.shape[2:].numel()
+    w = native.kernel_params(x, (c,), weight, bias)[0]  # (as the forward's)
+    dx = empty_like(x) if mask[0] else None
+    dws, dbs = [], []
+    for block in native.sample_blocks(x):
+        xb = x[block]
+        dyb = act.backward(dz[block], None if z is None else z[block],
+                           None if y is None else y[block])
+        d, pw, pb = _ATEN.native_group_norm_backward(dyb, xb, mean[block], rstd[block], w,
+                                                     xb.shape[0], c, hxw, groups, mask)
+        if dx is not None:
+            dx[block].copy_(d)
+        dws.append(pw)
+        dbs.append(pb)
+    return (dx, native.float64_total(dws, weight) if mask[1] and weight is not None else None,
+            native.float64_total(dbs, bias) if mask[2] and bias is not None else None)
+
+
 class _GroupNormActFunction(torch.autograd.Function):
     """GroupNorm + activation in one node; the statistics path is chosen at forward time.
 
     * contiguous input: torch's fused kernels, forward and backward, where accurate;
+      contiguous float32/float64 input whose output would land on fresh memory block by
+      block of samples onto huge pages, each block activated (and differentiated) while
+      in cache (:func:`_group_norm_act_blocks`);
     * channels-last input: below ``GROUP_NORM_MIN_POSITIONS`` positions torch's kernels
       under the ``r <= 2`` rule of :mod:`normkit.kernels.channels`, from there up that
       engine (per-(sample, channel) sums both ways), as
@@ -1355,8 +1441,15 @@ class _GroupNormActFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, act, use_native):
-        y, mean, rstd, path = _group_norm_for_act(x, weight, bias, groups, eps, use_native)
-        out, pre = _activate_output(act, y)
+        blocked = None if not use_native else _group_norm_act_blocks(
+            x, weight, bias, groups, eps, act, keep_input=not act.from_output)
+        if blocked is not None:
+            out, pre, mean, rstd = blocked
+            path = "native-blocks"
+        else:
+            y, mean, rstd, path = _group_norm_for_act(x, weight, bias, groups, eps,
+                                                      use_native)
+            out, pre = _activate_output(act, y)
         ctx.act, ctx.eps, ctx.groups, ctx.path = act, eps, groups, path
         ctx.save_for_backward(x, _kept_output(act, out), pre, weight, bias, mean, rstd)
         return out
@@ -1382,6 +1475,9 @@ class _GroupNormActFunction(torch.autograd.Function):
                                ctx.eps)[0].flatten(1, 2)
             dy = act.backward(dz, z, y)
             grads = _grads_of(y_, (x_, w_, b_), dy.contiguous(), create_graph=False)
+        elif ctx.path == "native-blocks":
+            grads = _group_norm_act_backward_blocks(dz, x, z, y, mean, rstd, weight, bias,
+                                                    groups, act, mask)
         else:
             dy = act.backward(dz, z, y)
             if ctx.path in ("native", "native-nchw"):
@@ -1484,6 +1580,10 @@ def group_norm_act(
                                             for t in (input, weight, bias))):
         # inference: no autograd node, and the activation in place on the fresh output
         # (the node keeps the pre-activation for the backward of SiLU, GELU, ...)
+        blocked = None if backend != "auto" else _group_norm_act_blocks(
+            input, weight, bias, int(num_groups), eps, activation, keep_input=False)
+        if blocked is not None:
+            return blocked[0]
         y = _group_norm_for_act(input, weight, bias, int(num_groups), eps,
                                 backend == "auto", for_backward=False)[0]
         return activation.apply_(y)
