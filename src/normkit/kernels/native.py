@@ -64,7 +64,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES",
            "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like",
-           "sample_blocks", "float64_total"]
+           "sample_blocks", "group_norm_by_samples", "float64_total"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -619,6 +619,26 @@ def _group_norm_blocks(x: Tensor, weight: Tensor | None, bias: Tensor | None, gr
     y = fresh_out_like(x)
     if y is None:
         return None
+    mean, rstd = group_norm_by_samples(x, weight, bias, groups, eps,
+                                       lambda block, yb: y[block].copy_(yb))
+    return y, mean, rstd
+
+
+def group_norm_by_samples(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                          groups: int, eps: float, store) -> tuple[Tensor, Tensor]:
+    """torch's GroupNorm kernel over contiguous ``(N, C, *)`` ``x`` block by block of
+    samples (:func:`sample_blocks`), each block's output handed to ``store(block, yb)``
+    while in cache (``block`` a slice of the samples, ``yb`` a buffer the next block
+    reuses); returns the ``(N, G)`` mean and rstd, the whole call's bits. No autograd.
+
+    Example:
+        >>> x = torch.randn(3, 4, 5)
+        >>> y = torch.empty_like(x)
+        >>> mean, rstd = group_norm_by_samples(x, None, None, 2, 1e-5,
+        ...                                    lambda block, yb: y[block].copy_(yb))
+        >>> torch.equal(y, torch.nn.functional.group_norm(x, 2)), mean.shape
+        (True, torch.Size([3, 2]))
+    """
     n, c = x.shape[:2]
     hxw = x.shape[2:].numel()
     mean, rstd = x.new_empty(n, groups), x.new_empty(n, groups)
@@ -627,10 +647,10 @@ def _group_norm_blocks(x: Tensor, weight: Tensor | None, bias: Tensor | None, gr
             xb = x[block]
             yb, mb, rb = torch.native_group_norm(xb, weight, bias, xb.shape[0], c, hxw,
                                                  groups, eps)
-            y[block].copy_(yb)
             mean[block].copy_(mb)
             rstd[block].copy_(rb)
-    return y, mean, rstd
+            store(block, yb)
+    return mean, rstd
 
 
 def _group_norm_backward_blocks(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,

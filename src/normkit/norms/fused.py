@@ -1371,20 +1371,15 @@ def _group_norm_act_blocks(x: Tensor, weight: Tensor | None, bias: Tensor | None
     z = fresh_out_like(x)
     if z is None:
         return None
-    n, c = x.shape[:2]
-    hxw = x.shape[2:].numel()
-    w, b = native.kernel_params(x, (c,), weight, bias)
+    w, b = native.kernel_params(x, x.shape[1:2], weight, bias)
     y = empty_like(x) if keep_input else None
-    mean, rstd = x.new_empty(n, groups), x.new_empty(n, groups)
-    with torch.no_grad():
-        for block in native.sample_blocks(x):
-            xb = x[block]
-            yb, mb, rb = torch.native_group_norm(xb, w, b, xb.shape[0], c, hxw, groups, eps)
-            mean[block].copy_(mb)
-            rstd[block].copy_(rb)
-            if y is not None:
-                y[block].copy_(yb)
-            z[block].copy_(act.apply_(yb))
+
+    def store(block, yb):
+        if y is not None:
+            y[block].copy_(yb)
+        z[block].copy_(act.apply_(yb))
+
+    mean, rstd = native.group_norm_by_samples(x, w, b, groups, eps, store)
     if not native.well_conditioned(mean, rstd, native.THRESHOLDS["group_norm"]):
         return None
     return z, y, mean, rstd
