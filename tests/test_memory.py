@@ -385,3 +385,39 @@ def test_no_advice_while_compiling(advised, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert memory.out_like(torch.empty(2 * MIB)) is None
     assert advised == []
+
+
+@pytest.mark.parametrize("wanted", ["none", "input", "inference_mode"])
+def test_inference_batch_norm_on_huge_pages_equals_torch(wanted, advised):
+    """Inference BatchNorm of NCHW input without a gradient goes through torch's kernel's
+    ``out=`` form onto huge pages (``native.inference_kernel``), under ``no_grad`` and
+    ``torch.inference_mode``, as does FrozenBatchNorm2d's: torch's bits. With the input's
+    gradient wanted (``_EvalInputGradFunction``) torch allocates: torch's bits, its
+    gradient."""
+    from normkit import FrozenBatchNorm2d
+
+    x, w, b = _image("contiguous")
+    gen = torch.Generator().manual_seed(5)
+    rm, rv = torch.randn(IMAGE[1], generator=gen) * 0.3, torch.rand(IMAGE[1], generator=gen) + 0.5
+    want = torch.nn.functional.batch_norm(x, rm, rv, w, b, False)
+    leaf = x.clone().requires_grad_(wanted == "input")
+    if wanted == "inference_mode":
+        with torch.inference_mode():
+            y = F.batch_norm(leaf, rm, rv, w, b, False)
+    else:
+        y = F.batch_norm(leaf, rm, rv, w, b, False)
+    assert _holds(y, advised) is (wanted != "input") and torch.equal(y.detach(), want)
+    if wanted == "input":
+        dy = torch.randn_like(x)
+        ref = x.clone().requires_grad_()
+        (got,) = torch.autograd.grad(y, leaf, dy)
+        (expected,) = torch.autograd.grad(torch.nn.functional.batch_norm(ref, rm, rv, w, b,
+                                                                         False), ref, dy)
+        assert_grad_close(got, expected, torch.float32, "dx")
+    advised.clear()
+    frozen = FrozenBatchNorm2d(IMAGE[1])
+    frozen.weight.copy_(w), frozen.bias.copy_(b)
+    frozen.running_mean.copy_(rm), frozen.running_var.copy_(rv)
+    with torch.no_grad():
+        z = frozen(x)
+    assert _holds(z, advised) and torch.equal(z, want)

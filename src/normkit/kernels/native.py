@@ -64,7 +64,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES",
            "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like",
-           "sample_blocks", "group_norm_by_samples", "float64_total"]
+           "sample_blocks", "group_norm_by_samples", "float64_total", "inference_kernel"]
 
 #: Largest ``|mean| / std`` of a group for which torch's kernel output is kept.
 THRESHOLDS = {
@@ -1162,6 +1162,31 @@ def instance_norm_rows(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
     return (y, mean, var) if stats else (y, None, None)
 
 
+def inference_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
+                     var: Tensor, eps: float) -> Tensor:
+    """torch's inference BatchNorm kernel (``x`` normalized by the given per-channel
+    ``mean`` and ``var``), without autograd (:func:`batch_norm_eval` where no gradient is
+    wanted): for contiguous ``x`` whose output
+    :func:`~normkit.kernels.memory.out_like` puts on huge pages (32 MiB and up) it writes
+    there through the kernel's ``out=`` form -- the same bits, without the 4 KiB page
+    faults of the fresh mapping the kernel would allocate (NCHW inference BatchNorm at
+    64x64x56x56: ~2.5x faster, ``benchmarks/RESULTS.md``, "Inference BatchNorm on NCHW
+    onto huge pages").
+
+    Example:
+        >>> x = torch.randn(2, 3, 4)
+        >>> y = inference_kernel(x, None, None, torch.zeros(3), torch.ones(3), 0.0)
+        >>> torch.equal(y, x)
+        True
+    """
+    out = out_like(x) if x.is_contiguous() else None
+    if out is None:
+        return torch.native_batch_norm(x, weight, bias, mean, var, False, 0.0, eps)[0]
+    _ATEN.native_batch_norm.out(x, weight, bias, mean, var, False, 0.0, eps, out=out,
+                                save_mean=x.new_empty(0), save_invstd=x.new_empty(0))
+    return out
+
+
 #: Fewest elements from which inference BatchNorm of channels-last (or 2D ``(N, C)``)
 #: float32/float64 input whose parameters and statistics need no gradient (the input's
 #: may be wanted: the addcmul's backward is one broadcast ``dy * scale``; FrozenBatchNorm2d
@@ -1218,6 +1243,8 @@ def batch_norm_eval(x: Tensor, running_mean: Tensor, running_var: Tensor,
                                                 eps)
         if params and x.numel() >= EVAL_PER_SLICE_MIN_ELEMENTS:
             return _eval_per_slice(x, weight, bias, running_mean, running_var, eps)
+    if not grads:
+        return inference_kernel(x, weight, bias, running_mean, running_var, eps)
     return torch.native_batch_norm(x, weight, bias, running_mean, running_var, False, 0.0,
                                    eps)[0]
 
@@ -1250,6 +1277,10 @@ class _EvalInputGradFunction(torch.autograd.Function):
         if weight is not None:
             scale.mul_(weight)
         ctx.save_for_backward(scale.view((1, x.shape[1]) + (1,) * (x.dim() - 2)))
+        # (torch's own allocation: through inference_kernel it was 0.48-0.59x of this at
+        # 64x64x56x56 with two threads on the project's VM, whose balloon re-backs freed
+        # huge pages, and 1.50-1.64x with that off -- RESULTS.md, "Inference BatchNorm on
+        # NCHW onto huge pages")
         return torch.native_batch_norm(x, weight, bias, running_mean, running_var, False,
                                        0.0, eps)[0]
 
