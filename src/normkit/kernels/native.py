@@ -598,7 +598,12 @@ def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, gro
 
 
 def sample_blocks(x: Tensor):
-    """Slices of ``x``'s samples (dim 0), about :data:`LAYER_NORM_BLOCK_BYTES` each."""
+    """Slices of ``x``'s samples (dim 0), about :data:`LAYER_NORM_BLOCK_BYTES` each.
+
+    Example:
+        >>> list(sample_blocks(torch.empty(5, 128, 1024)))  # 512 KiB per sample
+        [slice(0, 4, None), slice(4, 8, None)]
+    """
     return _row_blocks(x.shape[0], x[0].numel(), x.element_size())
 
 
@@ -679,7 +684,13 @@ def _group_norm_backward_blocks(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tenso
 
 
 def float64_total(parts: list[Tensor], like: Tensor) -> Tensor:
-    """The sum of per-block partial gradients, added in float64, in ``like``'s dtype."""
+    """The sum of per-block partial gradients, added in float64, in ``like``'s dtype.
+
+    Example:
+        >>> float64_total([torch.tensor([1.0, 2.0]), torch.tensor([0.5, 0.25])],
+        ...               torch.zeros(2))
+        tensor([1.5000, 2.2500])
+    """
     return torch.stack(parts).sum(0, dtype=torch.float64).to(like.dtype).view(like.shape)
 
 
