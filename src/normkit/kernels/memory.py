@@ -26,7 +26,7 @@ In a virtual machine whose balloon driver reports free 2 MiB blocks to the hyper
 order in its header), every freed huge page goes back to the host, and the next fault on
 one makes the host back it afresh: two threads faulting such pages at once stalled there
 (``benchmarks/huge_page_faults.py``: 68-101 ms to fill 64 MiB against 4-8 ms once the
-guest's memory was backed; 14-33 ms unadvised). Elsewhere -- and on that VM with the
+guest's memory was backed; 13-33 ms unadvised). Elsewhere -- and on that VM with the
 reporting off -- the advised outputs were faster than plain ones at one and two threads
 in every bench row measured (RESULTS.md, "Huge pages with two threads: this VM's free
 page reporting").
