@@ -407,6 +407,10 @@ def test_inference_batch_norm_on_huge_pages_equals_torch(wanted, advised):
     else:
         y = F.batch_norm(leaf, rm, rv, w, b, False)
     assert _holds(y, advised) is (wanted != "input") and torch.equal(y.detach(), want)
+    view = (1, -1, 1, 1)
+    ref = ((x.double() - rm.double().view(view)) / (rv.double().view(view) + 1e-5).sqrt()
+           * w.double().view(view) + b.double().view(view))
+    assert_close(y.detach(), ref, torch.float32)
     if wanted == "input":
         dy = torch.randn_like(x)
         ref = x.clone().requires_grad_()
