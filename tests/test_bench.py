@@ -838,10 +838,10 @@ def test_lstm_speed_script_compares_the_same_recurrence():
     assert all(ratio == 1.0 for _, name, _, ratio in rows if name == "torch LayerNorm")
 
 
-def test_layer_norm2d_paths_script_times_both_paths_and_restores_the_floors(monkeypatch):
-    """benchmarks/layer_norm2d_paths.py: each forced call really takes its path (the
-    per-sample kernel serves it or not), the floors come back afterwards, and both passes
-    get a ratio."""
+def test_layer_norm2d_paths_script_times_every_path_and_restores_the_floors(monkeypatch):
+    """benchmarks/layer_norm2d_paths.py: each forced call really takes its path, with a
+    gradient and without, the floors come back afterwards, and every path of both passes
+    gets a ratio (the copy path's own 1.0)."""
     from normkit.kernels import native
 
     root = Path(__file__).resolve().parents[1]
@@ -850,19 +850,26 @@ def test_layer_norm2d_paths_script_times_both_paths_and_restores_the_floors(monk
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
-    floors = (native.LAYER_NORM2D_MIN_POSITIONS, native.LAYER_NORM2D_MIN_POSITIONS_INFERENCE)
+    floors = [getattr(native, name) for name in script._FLOORS]
     served = []
-    per_sample = native.layer_norm2d_nchw
-    monkeypatch.setattr(native, "layer_norm2d_nchw",
-                        lambda *a: served.append(per_sample(*a)) or served[-1])
-    module, x = normkit.LayerNorm2d(4), torch.randn(2, 4, 3, 3)
-    for taken in (True, False):
-        script._on_path(module, x, taken)()
-        assert (served[-1] is not None) == taken
-    assert (native.LAYER_NORM2D_MIN_POSITIONS, native.LAYER_NORM2D_MIN_POSITIONS_INFERENCE) \
-        == floors
+    sums, per_sample = native._layer_norm2d_channel_sums, native._ColumnNormFunction.apply
+    monkeypatch.setattr(native, "_layer_norm2d_channel_sums",
+                        lambda *a: served.append("channel sums") or sums(*a))
+    monkeypatch.setattr(native, "_ColumnNormFunction", type("Spy", (), {"apply": staticmethod(
+        lambda *a: served.append("per-sample") or per_sample(*a))}))
+    module = normkit.LayerNorm2d(4)
+    for grad in (False, True):
+        x = torch.randn(2, 4, 3, 3, requires_grad=grad)
+        for path in script.PATHS:
+            served.clear()
+            with torch.set_grad_enabled(grad):
+                script._on_path(module, x, path)()
+            assert (served or ["copy"]) == [path], (grad, path, served)
+    assert [getattr(native, name) for name in script._FLOORS] == floors
     ratios = script.measure((2, 4, 3, 3), rounds=2)
-    assert set(ratios) == {"fwd", "fwd+bwd"} and all(r > 0 for r in ratios.values())
+    assert set(ratios) == {"fwd", "fwd+bwd"}
+    assert all(set(r) == set(script.PATHS) and r["copy"] == 1.0
+               and all(v > 0 for v in r.values()) for r in ratios.values())
 
 
 @pytest.mark.parametrize("name", ["batch_norm_eval", "instance_norm_eval", "frozen_batch_norm"])

@@ -679,6 +679,7 @@ def test_layer_norm2d_nchw_fast_path(monkeypatch):
 
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS", (0, 0))
+    monkeypatch.setattr(native, "LAYER_NORM2D_CHANNEL_SUMS", ((0, 0), (0, 0)))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 6, 5, 7, generator=gen, requires_grad=True)
     w = torch.randn(6, generator=gen, requires_grad=True)
@@ -693,19 +694,25 @@ def test_layer_norm2d_nchw_fast_path(monkeypatch):
     torch.autograd.gradgradcheck(lambda *a: F.layer_norm2d(*a), (x64, w64, b64))
 
 
-@pytest.mark.parametrize(("affine", "wanted"), [
-    (affine, wanted) for affine in ("weight+bias", "weight", "bias", "none")
+@pytest.mark.parametrize(("path", "affine", "wanted"), [
+    (path, affine, wanted) for path in ("per-sample", "channel sums")
+    for affine in ("weight+bias", "weight", "bias", "none")
     for wanted in ("all", "params", "input") if (affine, wanted) != ("none", "params")])
-def test_layer_norm2d_nchw_backward_every_affine_and_mask(affine, wanted, monkeypatch):
-    """The per-sample path's backward (parameter sums from torch's BatchNorm backward
-    kernel on ``(dy, xhat)``, input gradient per sample) for every affine and every set of
-    requested gradients, against float64 autograd."""
+def test_layer_norm2d_nchw_backward_every_affine_and_mask(path, affine, wanted, monkeypatch):
+    """The backward of both copy-free NCHW paths -- per-sample (parameter sums from
+    torch's BatchNorm backward kernel on ``(dy, xhat)``, input gradient per sample) and
+    channel sums (the same parameter sums, the input gradient from sums over the channels
+    of the whole batch) -- for every affine and every set of requested gradients, against
+    float64 autograd."""
     from oracle import assert_grad_close
 
     from normkit.kernels import native
 
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS", (0, 0))
+    sums = ((0, 0), (0, 0)) if path == "per-sample" else ((0, 1 << 62), (0, 1 << 62))
+    monkeypatch.setattr(native, "LAYER_NORM2D_CHANNEL_SUMS", sums)
+    node = "ColumnNorm" if path == "per-sample" else "KernelNode"
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 6, 5, 7, generator=gen) * 2.0 + 1.5
     w = torch.randn(6, generator=gen) if "weight" in affine else None
@@ -718,7 +725,7 @@ def test_layer_norm2d_nchw_backward_every_affine_and_mask(affine, wanted, monkey
     for t in leaves:
         t.requires_grad_()
     y = F.layer_norm2d(x, w, b)
-    assert "ColumnNorm" in _path(y), _path(y)
+    assert node in _path(y), _path(y)
     dy = torch.randn(y.shape, generator=gen)
     grads = torch.autograd.grad(y, leaves, dy)
     ref_in = {id(t): t.detach().double().requires_grad_(t.requires_grad) if t is not None else None
@@ -731,76 +738,92 @@ def test_layer_norm2d_nchw_backward_every_affine_and_mask(affine, wanted, monkey
         assert_grad_close(got, expected, torch.float32)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_layer_norm2d_nchw_few_positions_take_torchs_layer_norm(threads, monkeypatch):
-    """Below LAYER_NORM2D_MIN_POSITIONS (per thread count) NCHW LayerNorm2d is torch's
-    LayerNorm kernel on a channels-innermost copy: NCHW output, reference values and
-    gradients; an offset past that kernel's bound takes the compensated path. From the
-    floor up it is the per-sample kernel."""
-
+def test_layer_norm2d_nchw_channel_sums_path(monkeypatch):
+    """NCHW LayerNorm2d by whole-batch sums over the channels (kernels.native): NCHW
+    output equal to the float64 reference with its gradients, an offset past torch's
+    LayerNorm bound refused (the robust path takes it), float32 and float64, double
+    backward through the reference."""
     from normkit.kernels import native
 
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(1)
-        positions = native.LAYER_NORM2D_MIN_POSITIONS[threads > 1] - 1
-        x = torch.randn(2, 16, positions, 1, generator=gen, requires_grad=True)
-        w = torch.randn(16, generator=gen, requires_grad=True)
-        b = torch.randn(16, generator=gen, requires_grad=True)
-        y = F.layer_norm2d(x, w, b)
-        assert "LayerNorm" in _path(y) and "ColumnNorm" not in _path(y), _path(y)
-        assert y.is_contiguous()
-        _check_layer_norm2d_against_float64(y, x, w, b, gen)
-        assert "LayerNorm" not in _path(F.layer_norm2d(x.detach() + 1e4, w, b))
-        wider = torch.randn(2, 16, positions + 1, 1, generator=gen, requires_grad=True)
-        assert "ColumnNorm" in _path(F.layer_norm2d(wider, w, b))
-    finally:
-        torch.set_num_threads(previous)
+    for name in ("LAYER_NORM2D_CHANNEL_SUMS", "LAYER_NORM2D_CHANNEL_SUMS_INFERENCE"):
+        monkeypatch.setattr(native, name, ((0, 1 << 62), (0, 1 << 62)))
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 6, 5, 7, generator=gen) * 3.0 - 2.0).requires_grad_()
+    w = torch.randn(6, generator=gen, requires_grad=True)
+    b = torch.randn(6, generator=gen, requires_grad=True)
+    y = F.layer_norm2d(x, w, b)
+    assert "KernelNode" in _path(y), _path(y)
+    assert y.is_contiguous() and y.shape == x.shape
+    _check_layer_norm2d_against_float64(y, x, w, b, gen)
+    assert "NormalizeFunction" in _path(F.layer_norm2d(x.detach() + 1e4, w, b))
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    assert "KernelNode" in _path(F.layer_norm2d(x64, w64, b64))
+    torch.autograd.gradgradcheck(lambda *a: F.layer_norm2d(*a), (x64, w64, b64))
+    torch.autograd.gradgradcheck(lambda x: F.layer_norm2d(x), (x64,))
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["fwd+bwd", "inference"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_layer_norm2d_nchw_inference_floor(threads, monkeypatch):
-    """Without a gradient the per-sample path starts at LAYER_NORM2D_MIN_POSITIONS_INFERENCE
-    positions (per thread count; its forward needs no copies), below them the copy path;
-    a call that needs a gradient keeps the forward+backward floor. Values equal float64
-    LayerNorm over the channels either way."""
+def test_layer_norm2d_nchw_path_by_positions(threads, grad, monkeypatch):
+    """Which NCHW path serves how many positions per sample (per thread count, with a
+    gradient and without): channel sums on ``LAYER_NORM2D_CHANNEL_SUMS`` (``_INFERENCE``),
+    else per-sample from ``LAYER_NORM2D_MIN_POSITIONS`` (``_INFERENCE``), else torch's
+    LayerNorm on a channels-innermost copy. Every path's output is NCHW and equals
+    float64 LayerNorm over the channels, its gradients too."""
     from oracle import assert_close
 
     from normkit.kernels import native
 
-    # the shipped floors: inference never later than with a gradient
-    for inference, grad in zip(native.LAYER_NORM2D_MIN_POSITIONS_INFERENCE,
-                               native.LAYER_NORM2D_MIN_POSITIONS, strict=True):
-        assert inference <= grad
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS_INFERENCE", (20, 30))
-    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS", (40, 50))
-    served = []
-    per_sample = native.layer_norm2d_nchw
-    monkeypatch.setattr(native, "layer_norm2d_nchw",
-                        lambda *a: served.append(per_sample(*a)) or served[-1])
+    suffix = "" if grad else "_INFERENCE"
+    monkeypatch.setattr(native, "LAYER_NORM2D_CHANNEL_SUMS" + suffix, ((4, 10), (6, 12)))
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS" + suffix, (20, 30))
+    served = []  # the copy-free path each call took
+    sums, per_sample = native._layer_norm2d_channel_sums, native._ColumnNormFunction.apply
+    monkeypatch.setattr(native, "_layer_norm2d_channel_sums",
+                        lambda *a: served.append("channel sums") or sums(*a))
+    monkeypatch.setattr(native, "_ColumnNormFunction", type("Spy", (), {"apply": staticmethod(
+        lambda *a: served.append("per-sample") or per_sample(*a))}))
+    low, high = ((4, 10), (6, 12))[threads > 1]
+    floor = (20, 30)[threads > 1]
+    expected = {low - 1: "copy", low: "channel sums", high - 1: "channel sums",
+                high: "copy", floor - 1: "copy", floor: "per-sample"}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        floor = native.LAYER_NORM2D_MIN_POSITIONS_INFERENCE[threads > 1]
-        gen = torch.Generator().manual_seed(2)
+        gen = torch.Generator().manual_seed(1)
         w = torch.randn(16, generator=gen, requires_grad=True)
         b = torch.randn(16, generator=gen, requires_grad=True)
-        for positions, taken in ((floor - 1, False), (floor, True)):
-            x = torch.randn(2, 16, positions, 1, generator=gen)
-            with torch.no_grad():
+        for positions, path in expected.items():
+            served.clear()
+            x = torch.randn(2, 16, positions, 1, generator=gen, requires_grad=grad)
+            with torch.set_grad_enabled(grad):
                 y = F.layer_norm2d(x, w, b)
-            assert (served[-1] is not None) == taken, (positions, floor)
+            assert (served or ["copy"]) == [path], (positions, served)
             assert y.is_contiguous()
-            ref = torch.nn.functional.layer_norm(x.double().permute(0, 2, 3, 1), (16,),
-                                                 w.double(), b.double()).permute(0, 3, 1, 2)
-            assert_close(y, ref.detach(), torch.float32)
-        F.layer_norm2d(x, w, b)  # the parameters need a gradient: the other floor
-        assert served[-1] is None
+            if grad:
+                _check_layer_norm2d_against_float64(y, x, w, b, gen)
+                w.grad = b.grad = None
+            else:
+                ref = torch.nn.functional.layer_norm(
+                    x.double().permute(0, 2, 3, 1), (16,), w.double(),
+                    b.double()).permute(0, 3, 1, 2)
+                assert_close(y, ref.detach(), torch.float32)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_layer_norm2d_nchw_shipped_floors():
+    """The shipped floors are ordered: inference's per-sample path never later than with a
+    gradient, and each channel-sums range a real one."""
+    from normkit.kernels import native
+
+    for inference, grad in zip(native.LAYER_NORM2D_MIN_POSITIONS_INFERENCE,
+                               native.LAYER_NORM2D_MIN_POSITIONS, strict=True):
+        assert inference <= grad
+    for ranges in (native.LAYER_NORM2D_CHANNEL_SUMS, native.LAYER_NORM2D_CHANNEL_SUMS_INFERENCE):
+        assert all(1 <= low < high for low, high in ranges)
 
 
 @pytest.mark.parametrize("offset", [1.0, 1e4], ids=["torch-kernel", "compensated"])

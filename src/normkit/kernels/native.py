@@ -1440,6 +1440,26 @@ LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE = (512, 2048)
 LAYER_NORM2D_MIN_POSITIONS_16BIT = (512, float("inf"))
 
 
+#: The positions per sample (``[low, high)``, with one CPU thread and with more) on which
+#: :func:`_layer_norm2d_channel_sums` serves when a gradient is needed; above them the
+#: per-sample path from its floor, else (and below them) the copy path. Two runs of
+#: ``benchmarks/layer_norm2d_paths.py --threads 1 2`` (RESULTS.md, "LayerNorm2d on NCHW:
+#: sums over the channels"), forward+backward, copy time / channel sums and / per-sample:
+#: 1 thread 2 x 2 0.23-0.32x, 4 x 4 0.96-1.40x (per-sample 0.47-0.77x), 5 x 5 0.80-1.01x,
+#: 6 x 6 1.28-1.34x, 7 x 7 1.51-1.85x (1.02-1.27x), 16 x 16 1.38-1.71x (0.89-0.94x),
+#: 14 x 14 1.01-1.50x (1.16-1.70x), 20 x 20 1.31-1.51x (0.87-1.49x), 28 x 28 0.98-1.22x
+#: (1.03-1.50x); 2 threads 4 x 4 to 6 x 6 0.62-0.89x, 7 x 7 1.11-1.50x (0.36-0.90x),
+#: 8 x 8 0.85-0.94x (0.35x), 14 x 14 to 28 x 28 0.97-1.33x (0.44-0.93x), 56 x 56
+#: 0.84-1.85x (0.82-1.40x). Past 4096 positions with more threads, unmeasured: per-sample.
+LAYER_NORM2D_CHANNEL_SUMS = ((32, 512), (48, 4096))
+#: The same without a gradient (inference). Forward alone, the same runs: 1 thread 2 x 2
+#: 0.47-0.60x, 4 x 4 1.76-1.86x (per-sample 0.64-0.67x), 7 x 7 2.69-9.03x (2.21-4.58x),
+#: 8 x 8 2.76-2.96x (1.19-1.21x), 14 x 14 1.75-6.15x (2.05-6.22x: per-sample from 128);
+#: 2 threads 4 x 4 to 8 x 8 1.25-3.93x (0.26-1.26x), 14 x 14 to 20 x 20 1.74-3.14x
+#: (0.69-1.48x), 28 x 28 1.50-6.04x (1.69-5.23x), 56 x 56 1.46-4.96x (1.83-5.91x).
+LAYER_NORM2D_CHANNEL_SUMS_INFERENCE = ((16, 128), (16, 1024))
+
+
 def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:
     """Gradients of ``reference(*inputs)`` for the inputs that ``needs``, differentiable
     themselves (``create_graph=True``): the double backward of a fast path's node.
@@ -1581,6 +1601,75 @@ def _layer_norm2d_nchw_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | No
     return kernel_node(x, weight, bias, y, backward, reference)
 
 
+def _layer_norm2d_channel_sums(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                               eps: float, reference) -> Tensor | None:
+    """:func:`layer_norm2d_nchw` by whole-batch reductions over the channel dim: the
+    ``(N, 1, L)`` statistics of contiguous float32/float64 ``(N, C, *)`` input from two
+    sums over ``C`` (the mean, then the centered squares: two-pass, as torch's LayerNorm),
+    each one call over the whole batch that torch vectorizes across the ``L`` positions;
+    then the normalized input by one ``addcmul`` and the affine by two in-place passes.
+    No per-sample loop, no transposing copies: on few positions per sample torch's
+    kernels over one sample's ``(C, L)`` matrix have too little work per call (with two
+    threads most of all), and the copy path pays two transposing copies.
+
+    The backward (:func:`kernel_node`, double backward by ``reference``) is the same kind:
+    the normalized input once more (one ``addcmul``), the weight and bias gradients as two
+    sums over ``(N, L)`` in one call of torch's BatchNorm backward kernel (reductions
+    only), then ``dx = invstd * (g - mean_C(g) - xhat * mean_C(g * xhat))`` with
+    ``g = dy * weight`` from two more sums over ``C`` and two ``addcmul`` passes, written
+    over ``g``'s buffer. ``None`` where some position's ``|mean| / std`` exceeds torch's
+    LayerNorm threshold: the float32 mean itself is then too coarse, and the caller's
+    robust path takes over.
+
+    Example:
+        >>> x = torch.randn(8, 64, 7, 7)
+        >>> ref = torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (64,))
+        >>> y = _layer_norm2d_channel_sums(x, None, None, 1e-5, None)
+        >>> torch.allclose(y, ref.permute(0, 3, 1, 2), atol=1e-5), y.is_contiguous()
+        (True, True)
+    """
+    n, c = x.shape[:2]
+    v = x.detach().view(n, c, -1)
+    mean = v.mean(1, keepdim=True)  # (N, 1, L)
+    y = torch.sub(v, mean, out=empty_like(v))
+    invstd = y.square_().sum(1, keepdim=True).div_(c).add_(eps).rsqrt_()
+    if not well_conditioned(mean, invstd, THRESHOLDS["layer_norm"]):
+        return None
+    shift = torch.mul(mean, invstd).neg_()
+    torch.addcmul(shift, v, invstd, out=y)  # the normalized input
+    with torch.no_grad():
+        if weight is not None:
+            y.mul_(weight.view(1, c, 1))
+        if bias is not None:
+            y.add_(bias.view(1, c, 1))
+
+    def backward(dy, v, weight, bias, mask):  # (v: the (N, C, L) view of the input)
+        g = dy.contiguous()
+        xhat = torch.addcmul(shift, v, invstd)
+        dw = db = dx = None
+        if (mask[1] and weight is not None) or (mask[2] and bias is not None):
+            # sum over (n, l) of dy * xhat and of dy per channel in one read of both
+            unit = v.new_ones(c)
+            _, dw, db = _ATEN.native_batch_norm_backward(
+                g, xhat, unit, None, None, torch.zeros_like(unit), unit, True, 0.0,
+                [False, mask[1] and weight is not None, mask[2] and bias is not None])
+        if mask[0]:
+            gw = (torch.mul(g, weight.view(1, c, 1), out=empty_like(g)) if weight is not None
+                  else g.clone(memory_format=torch.contiguous_format))
+            gmean = gw.mean(1, keepdim=True)
+            proj = xhat.mul_(gw).sum(1, keepdim=True).div_(c)  # mean_C(g * xhat)
+            del xhat
+            # dx = invstd * (g - gmean) - invstd^2 * proj * (x - mean), as
+            # invstd * g + k0 - k1 * x with k1 = invstd^2 * proj, k0 = k1 * mean - invstd * gmean
+            k1 = proj.mul_(invstd).mul_(invstd)
+            k0 = torch.addcmul(gmean.mul_(invstd).neg_(), k1, mean)
+            dx = torch.addcmul(k0, gw, invstd, out=gw)
+            dx.addcmul_(v, k1, value=-1)
+        return dx, dw, db
+
+    return kernel_node(x.view(n, c, -1), weight, bias, y, backward, reference).view(x.shape)
+
+
 def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
                       reference) -> Tensor | None:
     """LayerNorm over the channels of contiguous ``(N, C, *)`` input, else ``None``.
@@ -1603,21 +1692,25 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
         >>> torch.allclose(y, ref.permute(0, 3, 1, 2), atol=1e-5)
         True
     """
+    if not _plain_dense(x) or x.dim() < 3 or x.numel() < LAYER_NORM2D_MIN_ELEMENTS:
+        return None
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (x, weight, bias))
-    floors = LAYER_NORM2D_MIN_POSITIONS if grad else LAYER_NORM2D_MIN_POSITIONS_INFERENCE
-    half = x.dtype in _HALF
-    if half:
+    positions, many = x.shape[2:].numel(), torch.get_num_threads() > 1
+    if x.dtype in _HALF:
         floors = (LAYER_NORM2D_MIN_POSITIONS_16BIT if grad else
                   LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE)
-    if (not _plain_dense(x) or x.dim() < 3 or x.numel() < LAYER_NORM2D_MIN_ELEMENTS
-            or x.shape[2:].numel() < floors[torch.get_num_threads() > 1]):
-        return None
-    if half:
         return (_layer_norm2d_nchw_16bit(x, weight, bias, eps)
-                if kernel_dtypes(x, weight, bias) else None)
+                if positions >= floors[many] and kernel_dtypes(x, weight, bias) else None)
     if (x.dtype not in (torch.float32, torch.float64)
             or any(p is not None and p.dtype != x.dtype for p in (weight, bias))):
+        return None
+    low, high = (LAYER_NORM2D_CHANNEL_SUMS if grad else
+                 LAYER_NORM2D_CHANNEL_SUMS_INFERENCE)[many]
+    if low <= positions < high:
+        return _layer_norm2d_channel_sums(x, weight, bias, eps, reference)
+    floors = LAYER_NORM2D_MIN_POSITIONS if grad else LAYER_NORM2D_MIN_POSITIONS_INFERENCE
+    if positions < floors[many]:
         return None
     n, c = x.shape[:2]
     v = x.detach().view(n, c, -1)
