@@ -1450,14 +1450,19 @@ LAYER_NORM2D_MIN_POSITIONS_16BIT = (512, float("inf"))
 #: 14 x 14 1.01-1.50x (1.16-1.70x), 20 x 20 1.31-1.51x (0.87-1.49x), 28 x 28 0.98-1.22x
 #: (1.03-1.50x); 2 threads 4 x 4 to 6 x 6 0.62-0.89x, 7 x 7 1.11-1.50x (0.36-0.90x),
 #: 8 x 8 0.85-0.94x (0.35x), 14 x 14 to 28 x 28 0.97-1.33x (0.44-0.93x), 56 x 56
-#: 0.84-1.85x (0.82-1.40x). Past 4096 positions with more threads, unmeasured: per-sample.
-LAYER_NORM2D_CHANNEL_SUMS = ((32, 512), (48, 4096))
+#: 0.84-1.85x (0.82-1.40x). So with more threads per-sample from 1024 positions: at
+#: 56 x 56 with 64 channels the two were even (0.84-0.98x and 0.82-0.94x), and the bench
+#: (``normkit bench layer_norm2d``, two alternated runs each at `fca7b02` and with the
+#: range reaching 4096) read 32x64x56x56 forward+backward 0.93-1.20x -> 0.88-0.95x torch.
+LAYER_NORM2D_CHANNEL_SUMS = ((32, 512), (48, 1024))
 #: The same without a gradient (inference). Forward alone, the same runs: 1 thread 2 x 2
 #: 0.47-0.60x, 4 x 4 1.76-1.86x (per-sample 0.64-0.67x), 7 x 7 2.69-9.03x (2.21-4.58x),
 #: 8 x 8 2.76-2.96x (1.19-1.21x), 14 x 14 1.75-6.15x (2.05-6.22x: per-sample from 128);
 #: 2 threads 4 x 4 to 8 x 8 1.25-3.93x (0.26-1.26x), 14 x 14 to 20 x 20 1.74-3.14x
-#: (0.69-1.48x), 28 x 28 1.50-6.04x (1.69-5.23x), 56 x 56 1.46-4.96x (1.83-5.91x).
-LAYER_NORM2D_CHANNEL_SUMS_INFERENCE = ((16, 128), (16, 1024))
+#: (0.69-1.48x), 28 x 28 1.50-6.04x (1.69-5.23x), 56 x 56 1.46-4.96x (1.83-5.91x). With
+#: more threads per-sample from 512 positions: the same bench runs, with the range
+#: reaching 1024, read 32x192x28x28 forward 1.00-1.05x -> 0.77-0.86x torch.
+LAYER_NORM2D_CHANNEL_SUMS_INFERENCE = ((16, 128), (16, 512))
 
 
 def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:
