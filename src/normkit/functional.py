@@ -612,8 +612,9 @@ def layer_norm2d(
             if y is not None:
                 return y.movedim(-1, 1)
         elif input.is_contiguous():
-            # NCHW: torch's BatchNorm kernel per sample, no transposing copies; on small
-            # inputs or few positions torch's LayerNorm on a channels-innermost copy
+            # NCHW, no transposing copies: sums over the channels of the whole batch on
+            # few positions per sample, torch's BatchNorm kernel per sample on more; on
+            # small inputs (and 2x2 images) torch's LayerNorm on a channels-innermost copy
             y = native.layer_norm2d_nchw(input, weight, bias, eps,
                                          _reference((1,), (1, input.shape[1], 1), eps))
             if y is None:

@@ -1691,8 +1691,11 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
     sample. The permute + LayerNorm + permute alternative pays two transposing copies.
     Kept under the ``|mean| / std <= 4`` rule of torch's channels-last BatchNorm kernel
     (the same kernel; see the table above); ``reference(x, weight, bias)`` serves double
-    backward. float16/bfloat16 input: :func:`_layer_norm2d_nchw_16bit` (float32 math per
-    sample, one rounding), under its own floors.
+    backward. On few positions per sample (:data:`LAYER_NORM2D_CHANNEL_SUMS`, ``_INFERENCE``
+    without a gradient) :func:`_layer_norm2d_channel_sums` serves instead: whole-batch
+    sums over the channels, no per-sample calls. float16/bfloat16 input:
+    :func:`_layer_norm2d_nchw_16bit` (float32 math per sample, one rounding), under its
+    own floors.
 
     Example:
         >>> x = torch.randn(8, 16, 32, 32)
