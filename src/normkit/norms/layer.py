@@ -95,6 +95,14 @@ class LayerNorm2d(BackendMixin, nn.LayerNorm):
     Shape:
         - Input: :math:`(N, C, *)`; output: same shape and memory format.
 
+    Note:
+        timm's form (permute, LayerNorm, permute back) returns a channels-last-strided
+        tensor from NCHW input; on the CPU the next convolution runs faster on that
+        layout, so a ConvNeXt step on NCHW input measured slower with this layer's NCHW
+        output even though the layer itself is faster (``benchmarks/RESULTS.md``,
+        "Whole training steps on the CPU"). For speed, run such a network
+        ``channels_last``: then both keep that layout.
+
     Example:
         >>> import torch, normkit
         >>> ln2d = normkit.LayerNorm2d(8)
