@@ -17,7 +17,7 @@ script forces each path, forward without gradients and forward + backward, and p
 copy time / that path's time (> 1: faster than the copy path), the median over
 round-robin rounds in one process, float32::
 
-    PYTHONPATH=src python benchmarks/layer_norm2d_paths.py --threads 1 2
+    PYTHONPATH=src python benchmarks/layer_norm2d_paths.py --threads 1 2 [--shapes small]
 
 The figures are for reading, not asserting: one machine, one run.
 """
@@ -40,18 +40,26 @@ SHAPES = ((64, 1024, 2, 2), (32, 512, 4, 4), (32, 512, 5, 5), (32, 512, 6, 6),
           (32, 128, 20, 20), (32, 128, 28, 28), (32, 64, 56, 56), (32, 768, 7, 7),
           (32, 384, 14, 14), (32, 192, 28, 28), (32, 96, 56, 56))
 
+#: Small batches (``--shapes small``): where the channel sums' element floors
+#: (``LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS``) come from.
+SMALL_SHAPES = ((2, 768, 7, 7), (4, 768, 7, 7), (8, 768, 7, 7), (16, 768, 7, 7),
+                (1, 384, 14, 14), (2, 384, 14, 14), (4, 384, 14, 14), (8, 384, 14, 14))
+
 #: The paths, each as the (channel sums' range, per-sample floor) it is forced by.
 _NEVER = 1 << 62
 PATHS = {"channel sums": ((0, _NEVER), _NEVER), "per-sample": ((0, 0), 0),
          "copy": ((0, 0), _NEVER)}
 _FLOORS = ("LAYER_NORM2D_CHANNEL_SUMS", "LAYER_NORM2D_CHANNEL_SUMS_INFERENCE",
-           "LAYER_NORM2D_MIN_POSITIONS", "LAYER_NORM2D_MIN_POSITIONS_INFERENCE")
+           "LAYER_NORM2D_MIN_POSITIONS", "LAYER_NORM2D_MIN_POSITIONS_INFERENCE",
+           "LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS",
+           "LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS_INFERENCE")
 
 
 def _on_path(module: torch.nn.Module, x: torch.Tensor, path: str):
     """A call of ``module(x)`` forced onto one NCHW path (the floors patched for it)."""
     sums, per_sample = PATHS[path]
-    forced = ((sums, sums), (sums, sums), (per_sample, per_sample), (per_sample, per_sample))
+    forced = ((sums, sums), (sums, sums), (per_sample, per_sample), (per_sample, per_sample),
+              (0, 0), (0, 0))
 
     def call():
         saved = [getattr(native, name) for name in _FLOORS]
@@ -101,13 +109,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--shapes", choices=["standard", "small"], default="standard",
+                        help="batch-32 shapes from 2x2 to 56x56 images, or small batches")
     args = parser.parse_args()
+    shapes = SHAPES if args.shapes == "standard" else SMALL_SHAPES
     print("| threads | shape | positions | fwd (no grad): copy / channel sums | copy / "
           "per-sample | fwd+bwd: copy / channel sums | copy / per-sample |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for shape in SHAPES:
+        for shape in shapes:
             r = measure(shape, args.rounds)
             print(f"| {threads} | {'x'.join(map(str, shape))} | {shape[2] * shape[3]} "
                   f"| {r['fwd']['channel sums']:.2f}x | {r['fwd']['per-sample']:.2f}x "

@@ -285,6 +285,8 @@ FAST_EVERYWHERE = {
                                "LAYER_NORM2D_MIN_POSITIONS_INFERENCE": (0, 0),
                                "LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE": (0, 0),
                                "LAYER_NORM2D_MIN_POSITIONS_16BIT": (0, 0),
+                               "LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS": (0, 0),
+                               "LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS_INFERENCE": (0, 0),
                                "INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS": 0,
                                "FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS": 0},
     "normkit.norms.batch": {"RENORM_BY_MOMENTS_MIN_ELEMENTS": 0},

@@ -712,6 +712,7 @@ def test_layer_norm2d_nchw_backward_every_affine_and_mask(path, affine, wanted, 
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS", (0, 0))
     sums = ((0, 0), (0, 0)) if path == "per-sample" else ((0, 1 << 62), (0, 1 << 62))
     monkeypatch.setattr(native, "LAYER_NORM2D_CHANNEL_SUMS", sums)
+    monkeypatch.setattr(native, "LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS", (0, 0))
     node = "ColumnNorm" if path == "per-sample" else "KernelNode"
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 6, 5, 7, generator=gen) * 2.0 + 1.5
@@ -748,6 +749,7 @@ def test_layer_norm2d_nchw_channel_sums_path(monkeypatch):
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
     for name in ("LAYER_NORM2D_CHANNEL_SUMS", "LAYER_NORM2D_CHANNEL_SUMS_INFERENCE"):
         monkeypatch.setattr(native, name, ((0, 1 << 62), (0, 1 << 62)))
+        monkeypatch.setattr(native, name.replace("SUMS", "SUMS_MIN_ELEMENTS"), (0, 0))
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(3, 6, 5, 7, generator=gen) * 3.0 - 2.0).requires_grad_()
     w = torch.randn(6, generator=gen, requires_grad=True)
@@ -767,8 +769,9 @@ def test_layer_norm2d_nchw_channel_sums_path(monkeypatch):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_layer_norm2d_nchw_path_by_positions(threads, grad, monkeypatch):
     """Which NCHW path serves how many positions per sample (per thread count, with a
-    gradient and without): channel sums on ``LAYER_NORM2D_CHANNEL_SUMS`` (``_INFERENCE``),
-    else per-sample from ``LAYER_NORM2D_MIN_POSITIONS`` (``_INFERENCE``), else torch's
+    gradient and without): channel sums on ``LAYER_NORM2D_CHANNEL_SUMS`` (``_INFERENCE``)
+    from ``LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS`` (``_INFERENCE``) elements, else
+    per-sample from ``LAYER_NORM2D_MIN_POSITIONS`` (``_INFERENCE``), else torch's
     LayerNorm on a channels-innermost copy. Every path's output is NCHW and equals
     float64 LayerNorm over the channels, its gradients too."""
     from oracle import assert_close
@@ -777,18 +780,24 @@ def test_layer_norm2d_nchw_path_by_positions(threads, grad, monkeypatch):
 
     monkeypatch.setattr(native, "LAYER_NORM2D_MIN_ELEMENTS", 0)
     suffix = "" if grad else "_INFERENCE"
-    monkeypatch.setattr(native, "LAYER_NORM2D_CHANNEL_SUMS" + suffix, ((4, 10), (6, 12)))
-    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS" + suffix, (20, 30))
+    ranges, per_sample_floors, element_positions = ((4, 40), (6, 40)), (20, 30), (24, 34)
+    monkeypatch.setattr(native, "LAYER_NORM2D_CHANNEL_SUMS" + suffix, ranges)
+    monkeypatch.setattr(native, "LAYER_NORM2D_MIN_POSITIONS" + suffix, per_sample_floors)
+    # (the inputs are 2 x 16 x positions: the element floors at 24 and 34 positions)
+    monkeypatch.setattr(native, "LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS" + suffix,
+                        tuple(2 * 16 * p for p in element_positions))
     served = []  # the copy-free path each call took
     sums, per_sample = native._layer_norm2d_channel_sums, native._ColumnNormFunction.apply
     monkeypatch.setattr(native, "_layer_norm2d_channel_sums",
                         lambda *a: served.append("channel sums") or sums(*a))
     monkeypatch.setattr(native, "_ColumnNormFunction", type("Spy", (), {"apply": staticmethod(
         lambda *a: served.append("per-sample") or per_sample(*a))}))
-    low, high = ((4, 10), (6, 12))[threads > 1]
-    floor = (20, 30)[threads > 1]
-    expected = {low - 1: "copy", low: "channel sums", high - 1: "channel sums",
-                high: "copy", floor - 1: "copy", floor: "per-sample"}
+    (low, high), floor = ranges[threads > 1], per_sample_floors[threads > 1]
+    fewest = element_positions[threads > 1]
+    expected = {low - 1: "copy",
+                floor - 1: "copy",  # in the range, too few elements, below per-sample's floor
+                floor + 1: "per-sample",  # in the range, too few elements
+                fewest: "channel sums", high - 1: "channel sums", high: "per-sample"}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -824,6 +833,9 @@ def test_layer_norm2d_nchw_shipped_floors():
         assert inference <= grad
     for ranges in (native.LAYER_NORM2D_CHANNEL_SUMS, native.LAYER_NORM2D_CHANNEL_SUMS_INFERENCE):
         assert all(1 <= low < high for low, high in ranges)
+    for floors in (native.LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS,
+                   native.LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS_INFERENCE):
+        assert all(fewest >= native.LAYER_NORM2D_MIN_ELEMENTS for fewest in floors)
 
 
 @pytest.mark.parametrize("offset", [1.0, 1e4], ids=["torch-kernel", "compensated"])

@@ -1467,6 +1467,19 @@ LAYER_NORM2D_CHANNEL_SUMS = ((32, 196), (48, 1024))
 #: more threads per-sample from 512 positions: the same bench runs, with the range
 #: reaching 1024, read 32x192x28x28 forward 1.00-1.05x -> 0.77-0.86x torch.
 LAYER_NORM2D_CHANNEL_SUMS_INFERENCE = ((16, 128), (16, 512))
+#: Fewest elements for which :func:`_layer_norm2d_channel_sums` serves (with one CPU
+#: thread and with more) when a gradient is needed; below, the other paths by their
+#: floors. Its dozen whole-batch calls cost more than the copy path's three on small
+#: batches. Two runs of ``benchmarks/layer_norm2d_paths.py --threads 1 2 --shapes
+#: small`` (RESULTS.md, "LayerNorm2d on NCHW: sums over the channels"), forward+backward,
+#: copy time / channel sums at 75264, 150528 and 301056 elements (2, 4, 8 x 768 x 7 x 7
+#: and 1, 2, 4 x 384 x 14 x 14): 1 thread 0.74-0.92x, 0.99-1.19x, 1.24-1.87x; 2 threads
+#: 0.65-0.73x, 0.76-0.95x, 1.04-1.37x. So 2^17 elements with one thread, 2^18 with more.
+LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS = (1 << 17, 1 << 18)
+#: The same without a gradient. Forward alone, the same runs: 1 thread 1.17-1.36x at
+#: 75264 elements (so :data:`LAYER_NORM2D_MIN_ELEMENTS`'s 2^16), 2 threads 0.91-1.03x at
+#: 75264 and 1.03-1.36x at 150528 (so 2^17).
+LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS_INFERENCE = (1 << 16, 1 << 17)
 
 
 def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:
@@ -1719,7 +1732,9 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
         return None
     low, high = (LAYER_NORM2D_CHANNEL_SUMS if grad else
                  LAYER_NORM2D_CHANNEL_SUMS_INFERENCE)[many]
-    if low <= positions < high:
+    fewest = (LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS if grad else
+              LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS_INFERENCE)[many]
+    if low <= positions < high and x.numel() >= fewest:
         return _layer_norm2d_channel_sums(x, weight, bias, eps, reference)
     floors = LAYER_NORM2D_MIN_POSITIONS if grad else LAYER_NORM2D_MIN_POSITIONS_INFERENCE
     if positions < floors[many]:
