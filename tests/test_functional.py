@@ -763,6 +763,25 @@ def test_layer_norm2d_nchw_channel_sums_path(monkeypatch):
     assert "KernelNode" in _path(F.layer_norm2d(x64, w64, b64))
     torch.autograd.gradgradcheck(lambda *a: F.layer_norm2d(*a), (x64, w64, b64))
     torch.autograd.gradgradcheck(lambda x: F.layer_norm2d(x), (x64,))
+    # other ranks: (N, C, L) and (N, C, D, H, W), and under inference_mode
+    from oracle import assert_close, assert_grad_close
+
+    for shape in ((3, 6, 35), (2, 6, 3, 4, 5)):
+        x = (torch.randn(shape, generator=gen) * 2.0 + 1.0).requires_grad_()
+        y = F.layer_norm2d(x, w, b)
+        assert "KernelNode" in _path(y), _path(y)
+        leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+        ref = torch.nn.functional.layer_norm(leaves[0].movedim(1, -1), (6,), leaves[1],
+                                             leaves[2]).movedim(-1, 1)
+        assert_close(y, ref.detach(), torch.float32)
+        dy = torch.randn(shape, generator=gen)
+        got = torch.autograd.grad(y, (x, w, b), dy)
+        want = torch.autograd.grad(ref, leaves, dy.double())
+        for g, expected in zip(got, want, strict=True):
+            assert_grad_close(g, expected, torch.float32)
+        with torch.inference_mode():
+            assert_close(F.layer_norm2d(x.detach(), w.detach(), b.detach()), ref.detach(),
+                         torch.float32)
 
 
 @pytest.mark.parametrize("grad", [True, False], ids=["fwd+bwd", "inference"])
