@@ -91,7 +91,8 @@ def test_environment_switch_turns_the_advice_off():
 @pytest.fixture
 def advised(monkeypatch):
     """Every output of at least 4 MiB goes through ``out_like`` with a recording ``libc``
-    (so the paths run the same on a machine without transparent huge pages)."""
+    (so the paths run the same on a machine without transparent huge pages), onto the
+    buffers of an output cache of the test's own, whose hand-outs are recorded as well."""
     calls = []
 
     def madvise(address, length, advice):
@@ -103,6 +104,15 @@ def advised(monkeypatch):
 
     monkeypatch.setattr(memory, "MIN_BYTES", 4 * MIB)
     monkeypatch.setattr(memory, "_libc", lambda: (madvise, mincore))
+    monkeypatch.setattr(memory, "_CACHE", memory._OutputCache())  # (empty: this test's own)
+    cached_empty = memory._cached_empty
+
+    def recorded(shape, stride, dtype):  # a reused buffer is advised already: record it too
+        t = cached_empty(shape, stride, dtype)
+        calls.append((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes(), "cache"))
+        return t
+
+    monkeypatch.setattr(memory, "_cached_empty", recorded)
     return calls
 
 
@@ -425,3 +435,130 @@ def test_inference_batch_norm_on_huge_pages_equals_torch(wanted, advised):
     with torch.no_grad():
         z = frozen(x)
     assert _holds(z, advised) and torch.equal(z, want)
+
+
+# ---------------------------------------------------------------- the output cache
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_output_cache_reuses_a_freed_buffer_never_a_live_one(advised):
+    like = torch.empty(2 * MIB)  # 8 MiB of float32: fresh memory (the fake mincore)
+    a, b = memory.out_like(like), memory.out_like(like)
+    assert _address(a) != _address(b) and _address(a) % (2 * MIB) == 0
+    assert memory.cached_bytes() == 0
+    first, view = _address(a), a[10:]
+    del a
+    assert memory.cached_bytes() == 0  # the view still uses the buffer
+    c = memory.out_like(like)
+    assert _address(c) not in (first, _address(b))
+    del view
+    assert memory.cached_bytes() == 8 * MIB
+    d = memory.out_like(like)
+    assert _address(d) == first and memory.cached_bytes() == 0
+    d.fill_(3.0), c.fill_(1.0)  # distinct memory: neither write reaches the other
+    assert d.sum().item() == 3 * d.numel() and c.sum().item() == c.numel()
+    assert {call[2] for call in advised} == {14, "cache"}  # new buffers: MADV_HUGEPAGE
+
+
+@pytest.mark.parametrize("shape,dtype,memory_format", [
+    ((1024, 2048 + 3), torch.float32, torch.contiguous_format),
+    ((8, 64, 48, 48), torch.float64, torch.channels_last),
+    ((4, 32, 8, 40, 40), torch.float32, torch.channels_last_3d),
+    ((2049, 2048), torch.bfloat16, torch.preserve_format),
+])
+def test_output_cache_tensors_are_laid_out_as_torch_would(shape, dtype, memory_format,
+                                                          advised):
+    like = torch.empty(shape)
+    if memory_format is not torch.preserve_format:
+        like = like.contiguous(memory_format=memory_format)
+    out = memory.out_like(like, dtype, memory_format)
+    want = torch.empty_like(like, dtype=dtype, memory_format=memory_format)
+    assert (out.shape, out.stride(), out.dtype) == (want.shape, want.stride(), want.dtype)
+    assert out.untyped_storage().nbytes() >= out.numel() * out.element_size()
+    assert _holds(out, advised)
+    out.copy_(torch.randn(shape, dtype=torch.float64))  # every element writable
+    assert torch.isfinite(out).all()
+
+
+def test_output_cache_keeps_at_most_its_limit_and_releases(advised, monkeypatch):
+    monkeypatch.setattr(memory, "OUTPUT_CACHE_BYTES", 8 * MIB)
+    like = torch.empty(2 * MIB)
+    a, b = memory.out_like(like), memory.out_like(like)
+    del a, b
+    assert memory.cached_bytes() == 8 * MIB  # the second buffer was unmapped
+    assert memory.release_cached() == 8 * MIB and memory.cached_bytes() == 0
+    assert memory.release_cached() == 0
+
+
+def test_output_cache_off_gives_advised_torch_memory(advised, monkeypatch):
+    monkeypatch.setattr(memory, "OUTPUT_CACHE_BYTES", 0)
+    out = memory.out_like(torch.empty(2 * MIB))
+    assert out.untyped_storage().resizable()  # torch's own allocation
+    assert _holds(out, advised) and all(call[2] != "cache" for call in advised)
+    del out
+    assert memory.cached_bytes() == 0
+
+
+def test_output_cache_buffer_freed_in_another_thread_comes_back(advised):
+    import threading
+
+    holder = [memory.out_like(torch.empty(2 * MIB))]
+    first = _address(holder[0])
+    thread = threading.Thread(target=holder.clear)
+    thread.start(), thread.join()
+    assert memory.cached_bytes() == 8 * MIB
+    assert _address(memory.out_like(torch.empty(2 * MIB))) == first
+
+
+def test_output_cache_tensors_behave_as_tensors(advised, tmp_path):
+    """What differs from torch's allocation: the storage cannot grow (as a
+    ``torch.frombuffer`` or ``torch.from_numpy`` tensor's); shrinking, saving, copying,
+    autograd and shared memory work as usual."""
+    import copy
+
+    out = memory.out_like(torch.empty(2 * MIB))
+    out.copy_(torch.arange(out.numel(), dtype=torch.float32))
+    torch.save(out, tmp_path / "t.pt")
+    assert torch.equal(torch.load(tmp_path / "t.pt"), out)
+    assert torch.equal(copy.deepcopy(out), out)
+    leaf = out.detach().requires_grad_()
+    (leaf * 2).sum().backward()
+    assert torch.equal(leaf.grad, torch.full_like(leaf, 2.0))
+    out.resize_(10)
+    assert torch.equal(out, torch.arange(10, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="not resizable"):
+        out.resize_(4 * MIB)
+
+
+def test_output_cache_after_fork_starts_empty(advised):
+    del advised
+    memory.out_like(torch.empty(2 * MIB))  # freed at once: idle in the cache
+    assert memory.cached_bytes() == 8 * MIB
+    before = memory._CACHE
+    memory._forget_after_fork()
+    try:
+        assert memory._CACHE is not before and memory.cached_bytes() == 0
+    finally:
+        memory._CACHE = before
+
+
+@pytest.mark.parametrize("value,expected", [("0", "0"), ("64", str(64 << 20))])
+def test_output_cache_environment_limit(value, expected):
+    code = "from normkit.kernels import memory; print(memory.OUTPUT_CACHE_BYTES)"
+    env = {**os.environ, "NORMKIT_OUTPUT_CACHE_MIB": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == [expected]
+
+
+def test_output_cache_environment_limit_rejects_garbage():
+    code = "import normkit"
+    env = {**os.environ, "NORMKIT_OUTPUT_CACHE_MIB": "lots"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode != 0
+    assert "NORMKIT_OUTPUT_CACHE_MIB must be a whole number of MiB" in out.stderr
+    assert "'lots'" in out.stderr
