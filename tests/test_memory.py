@@ -53,7 +53,11 @@ like = torch.empty(memory.MIN_BYTES // 4 + 12345)  # never written: fresh pages
 out = memory.out_like(like)
 assert out is not None and out.shape == like.shape and out.is_contiguous()
 middle = out.data_ptr() + out.numel() * 2  # inside the advised interior
-assert "hg" in t._vm_flags(middle), t._vm_flags(middle)  # MADV_HUGEPAGE on the mapping
+flags = t._vm_flags(middle)
+assert "hg" in flags, flags  # MADV_HUGEPAGE on the mapping
+assert "sh" not in flags, flags  # private (a shared one: shmem, no huge pages, and shared
+                                 # with forked children)
+assert memory.OUTPUT_CACHE_BYTES == 0 or not out.untyped_storage().resizable()  # cached
 out.fill_(1.0)
 assert memory.advise_huge_pages(out) is False  # now resident: no faults left to save
 assert out.sum().item() == out.numel()

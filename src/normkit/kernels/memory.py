@@ -152,7 +152,9 @@ class _OutputCache:
             if buffers:
                 self.idle_bytes -= size
                 return buffers.pop()
-        buffer = mmap.mmap(-1, size + _HUGE_PAGE)
+        # (private: Python's default for anonymous maps is MAP_SHARED, shmem -- no
+        # transparent huge pages there, and shared with forked children)
+        buffer = mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)
         start = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
         offset = -start % _HUGE_PAGE
         _advise(start + offset, size)
