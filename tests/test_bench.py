@@ -1027,3 +1027,36 @@ def test_huge_page_faults_script_times_every_way(capsys):
     first = -(-t.data_ptr() // memory._HUGE_PAGE) * memory._HUGE_PAGE
     vec = (ctypes.c_ubyte * 1)()
     assert mincore(first, 4096, vec) == 0 and vec[0] & 1
+
+
+def test_output_cache_script_times_both_sides_and_restores_the_limit(monkeypatch):
+    """benchmarks/output_cache.py: with the cache on, the op's large outputs come from it
+    (its buffers fill as they are freed); with it off, none do; the limit comes back
+    afterwards, and every case gets a ratio."""
+    from normkit.kernels import memory
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("output_cache_script",
+                                                  root / "benchmarks" / "output_cache.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(memory, "MIN_BYTES", 4 << 20)  # (8 MiB outputs count as large)
+    monkeypatch.setattr(memory, "_libc", lambda: (lambda *a: 0, lambda *a: 0))  # fresh
+    monkeypatch.setattr(memory, "_CACHE", memory._OutputCache())
+    assert {op for op, _, _ in script.CASES} >= {"layer_norm", "rms_norm", "batch_norm"}
+    limit = memory.OUTPUT_CACHE_BYTES
+    for op, dims, channels_last in (("rms_norm", (1024, 2048), False),
+                                    ("batch_norm", (8, 16, 128, 128), True)):
+        for grad in (False, True):
+            step = script._step(op, dims, channels_last, grad)
+            memory.release_cached()  # (building the step ran the module once)
+            monkeypatch.setattr(memory, "OUTPUT_CACHE_BYTES", 0)
+            step()
+            assert memory.cached_bytes() == 0, (op, grad)
+            monkeypatch.setattr(memory, "OUTPUT_CACHE_BYTES", limit)
+            step()
+            assert memory.cached_bytes() > 0, (op, grad)  # the freed outputs came back
+            off, on, ratio, q1, q3 = script.measure(step, pairs=2)
+            assert memory.OUTPUT_CACHE_BYTES == limit
+            assert off > 0 and on > 0 and q1 <= ratio <= q3
+            memory.release_cached()
