@@ -566,3 +566,14 @@ def test_output_cache_environment_limit_rejects_garbage():
     assert out.returncode != 0
     assert "NORMKIT_OUTPUT_CACHE_MIB must be a whole number of MiB" in out.stderr
     assert "'lots'" in out.stderr
+
+
+def test_output_cache_gives_nothing_back_once_the_limit_is_gone(advised, monkeypatch):
+    """A finalizer can run while the interpreter shuts down, its module globals already
+    ``None``: the buffer is then unmapped, not kept, and nothing raises."""
+    raised = []
+    monkeypatch.setattr(sys, "unraisablehook", raised.append)  # (a finalizer's errors)
+    out = memory.out_like(torch.empty(2 * MIB))
+    monkeypatch.setattr(memory, "OUTPUT_CACHE_BYTES", None)
+    del out
+    assert memory.cached_bytes() == 0 and raised == []

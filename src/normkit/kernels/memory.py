@@ -161,13 +161,17 @@ class _OutputCache:
         return buffer, offset
 
     def give_back(self, buffer: mmap.mmap, offset: int, size: int) -> None:
-        """Keep a buffer no tensor uses any more, within :data:`OUTPUT_CACHE_BYTES`."""
+        """Keep a buffer no tensor uses any more, within :data:`OUTPUT_CACHE_BYTES`.
+
+        (Called by a finalizer, possibly while the interpreter shuts down, when module
+        globals may already be ``None``: then nothing is kept.)"""
+        limit = OUTPUT_CACHE_BYTES if isinstance(OUTPUT_CACHE_BYTES, int) else 0
         with self.lock:
-            if self.idle_bytes + size <= OUTPUT_CACHE_BYTES:
+            if self.idle_bytes + size <= limit:
                 self.idle.setdefault(size, []).append((buffer, offset))
                 self.idle_bytes += size
                 return
-        buffer.close()
+        _unmap(buffer)
 
     def clear(self) -> int:
         """Unmap every idle buffer; the bytes released."""
@@ -175,8 +179,17 @@ class _OutputCache:
             buffers = [b for group in self.idle.values() for b, _ in group]
             released, self.idle, self.idle_bytes = self.idle_bytes, {}, 0
         for buffer in buffers:
-            buffer.close()
+            _unmap(buffer)
         return released
+
+
+def _unmap(buffer: mmap.mmap) -> None:
+    """Close ``buffer`` now, or leave it to its last reference where a view of it still
+    lives (``close`` refuses while one does)."""
+    try:
+        buffer.close()
+    except BufferError:
+        pass
 
 
 _CACHE = _OutputCache()
