@@ -1528,13 +1528,15 @@ class _ColumnNormFunction(torch.autograd.Function):
             # the per-channel sums over (n, l) of dy * xhat and of dy in one read of both:
             # torch's NCHW BatchNorm backward kernel with zero mean and unit invstd,
             # reductions only (instead of a product, its sum and a second sum)
-            xhat = torch.addcmul(-mean * invstd, x, invstd) if need_w else g
+            xhat = (torch.addcmul(-mean * invstd, x, invstd, out=empty_like(x)) if need_w
+                    else g)
             unit = x.new_ones(x.shape[1])
             _, dw, db = _ATEN.native_batch_norm_backward(
                 g, xhat, unit, None, None, torch.zeros_like(unit), unit, True, 0.0,
                 [False, need_w, need_b])
         if need_x:
-            gx = g * weight.view(1, -1, 1) if weight is not None else g
+            gx = (torch.mul(g, weight.view(1, -1, 1), out=empty_like(g)) if weight is not None
+                  else g)
             dx = empty_like(x)
             # written in place through out=, which needs every output defined: a unit
             # weight and two small scratch outputs for the column sums it also returns

@@ -229,19 +229,36 @@ class Activation(NamedTuple):
         return y
 
     def backward(self, dz: Tensor, z: Tensor | None, y: Tensor | None) -> Tensor:
-        """``dL/dy`` from ``dL/dz`` and the output ``z`` (``from_output``) or the input ``y``."""
+        """``dL/dy`` from ``dL/dz`` and the output ``z`` (``from_output``) or the input ``y``;
+        a large result onto the output cache (:func:`~normkit.kernels.memory.out_like`)."""
         name, use_z = self.name, self.from_output
         if name == "identity":
             return dz
+        out = out_like(dz)
+        if out is None:
+            if name == "relu":
+                return _ATEN.threshold_backward(dz, z if use_z else y, 0)
+            if name == "leaky_relu":
+                return _ATEN.leaky_relu_backward(dz, z if use_z else y, self.negative_slope,
+                                                 use_z)
+            if name == "elu":
+                return _ATEN.elu_backward(dz, self.alpha, 1, 1, use_z, z if use_z else y)
+            if name == "silu":
+                return _ATEN.silu_backward(dz, y)
+            return _ATEN.gelu_backward(dz, y)
         if name == "relu":
-            return _ATEN.threshold_backward(dz, z if use_z else y, 0)
+            return _ATEN.threshold_backward.grad_input(dz, z if use_z else y, 0,
+                                                       grad_input=out)
         if name == "leaky_relu":
-            return _ATEN.leaky_relu_backward(dz, z if use_z else y, self.negative_slope, use_z)
+            return _ATEN.leaky_relu_backward.grad_input(dz, z if use_z else y,
+                                                        self.negative_slope, use_z,
+                                                        grad_input=out)
         if name == "elu":
-            return _ATEN.elu_backward(dz, self.alpha, 1, 1, use_z, z if use_z else y)
+            return _ATEN.elu_backward.grad_input(dz, self.alpha, 1, 1, use_z,
+                                                 z if use_z else y, grad_input=out)
         if name == "silu":
-            return _ATEN.silu_backward(dz, y)
-        return _ATEN.gelu_backward(dz, y)
+            return _ATEN.silu_backward.grad_input(dz, y, grad_input=out)
+        return _ATEN.gelu_backward.grad_input(dz, y, grad_input=out)
 
     def as_taken(self, y: Tensor, z: Tensor | None, y_forward: Tensor | None) -> Tensor:
         """The activation of ``y``, differentiable, each kink's side taken as the forward
@@ -1098,6 +1115,11 @@ def _activate_output(act: Activation, y: Tensor) -> tuple[Tensor, Tensor | None]
     out of place, keeping the pre-activation ``y`` for the backward (as torch would)."""
     if act.from_output:
         return act.apply_(y), None
+    out = out_like(y) if act.name in ("silu", "gelu") else None
+    if out is not None:  # (large: onto the output cache)
+        if act.name == "silu":
+            return _ATEN.silu.out(y, out=out), y
+        return _ATEN.gelu.out(y, out=out), y
     return Activation.__call__(act, y), y  # (as in _activate: traceable on older torch)
 
 
