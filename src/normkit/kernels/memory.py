@@ -47,7 +47,8 @@ saving, copying, autograd and ``share_memory_()`` work as usual. The cache keeps
 unmaps them, :func:`cached_bytes` tells how much it holds. Where torch's allocation is
 already touched memory (glibc's heap reuse, ``MALLOC_MMAP_MAX_=0``) nothing is cached:
 there is nothing to save. RMSNorm's forward at 4096 x 4096 with glibc's default
-allocator went from 10 to 6-7.6 ms (RESULTS.md, "Large outputs: a cache of their
+allocator: 1.52-1.54x faster with the cache with one thread, 1.62-1.78x with two
+(``benchmarks/output_cache.py``, two runs; RESULTS.md, "Large outputs: a cache of their
 buffers").
 
 Another cost is the kernel's: with ``/sys/kernel/mm/transparent_hugepage/defrag`` at its
