@@ -583,3 +583,22 @@ def test_output_cache_gives_nothing_back_once_the_limit_is_gone(advised, monkeyp
     monkeypatch.setattr(memory, "OUTPUT_CACHE_BYTES", None)
     del out
     assert memory.cached_bytes() == 0 and raised == []
+
+
+def test_output_cache_unmaps_the_longest_idle_buffers_first(advised, monkeypatch):
+    """Sizes no longer used make room for the current ones (a sequence length that
+    changed): past the limit the oldest idle buffers go, whatever their size."""
+    monkeypatch.setattr(memory, "OUTPUT_CACHE_BYTES", 8 * MIB)
+    old = memory.out_like(torch.empty(2 * MIB))  # 8 MiB
+    new = memory.out_like(torch.empty(3 * MIB // 2))  # 6 MiB
+    new_address = _address(new)
+    del old
+    assert memory.cached_bytes() == 8 * MIB
+    del new  # 14 MiB idle: the 8 MiB one, idle longest, is unmapped
+    assert memory.cached_bytes() == 6 * MIB
+    again = memory.out_like(torch.empty(3 * MIB // 2))
+    assert _address(again) == new_address and memory.cached_bytes() == 0
+    del again
+    bigger = memory.out_like(torch.empty(3 * MIB))  # 12 MiB: more than the limit
+    del bigger
+    assert memory.cached_bytes() == 6 * MIB  # not kept, and nothing evicted for it

@@ -42,7 +42,8 @@ tensor or storage using it is freed, never earlier. One difference from torch's 
 allocations: its storage cannot grow (``resize_`` to more elements raises "Trying to
 resize storage that is not resizable", as for a ``torch.from_numpy`` tensor); shrinking,
 saving, copying, autograd and ``share_memory_()`` work as usual. The cache keeps at most
-:data:`OUTPUT_CACHE_BYTES` of idle buffers (``NORMKIT_OUTPUT_CACHE_MIB``, default 1024;
+:data:`OUTPUT_CACHE_BYTES` of idle buffers, the longest idle unmapped first
+(``NORMKIT_OUTPUT_CACHE_MIB``, default 1024;
 ``0`` turns it off and leaves the huge-page advice alone); :func:`release_cached`
 unmaps them, :func:`cached_bytes` tells how much it holds. Where torch's allocation is
 already touched memory (glibc's heap reuse, ``MALLOC_MMAP_MAX_=0``) nothing is cached:
@@ -125,34 +126,37 @@ OUTPUT_CACHE_BYTES = _cache_limit()
 
 
 class _OutputCache:
-    """Idle anonymous mappings of freed large outputs, by size, for the next output of
-    that size: already faulted in, so writing it costs no page faults.
+    """Idle anonymous mappings of freed large outputs, for the next output of the same
+    size: already faulted in, so writing it costs no page faults.
 
     Each buffer is one private anonymous ``mmap`` of its size rounded up to 2 MiB, plus
     2 MiB of slack so the tensor can start on a 2 MiB boundary (all of it huge pages).
     A tensor's storage holds a ``memoryview`` of its buffer (``torch.frombuffer``); when
     the last tensor or storage using it is freed, a ``weakref.finalize`` on that view
     hands the buffer back here -- never earlier, so no live tensor ever shares one. Past
-    :data:`OUTPUT_CACHE_BYTES` of idle buffers a returned one is unmapped instead.
+    :data:`OUTPUT_CACHE_BYTES` of idle buffers the longest idle ones are unmapped (so
+    that sizes no longer used, as with a sequence length that changed, make room for the
+    current ones); the most recently returned buffer of a size is handed out first.
     """
 
     def __init__(self) -> None:
         self.lock = threading.RLock()  # (a finalizer can run inside a locked section)
-        self.idle: dict[int, list[tuple[mmap.mmap, int]]] = {}
+        self.idle: list[tuple[int, mmap.mmap, int]] = []  # (size, buffer, offset), oldest first
         self.idle_bytes = 0
 
     def has_idle(self, size: int) -> bool:
         """Whether an idle buffer of ``size`` bytes waits here."""
-        return bool(self.idle.get(size))
+        return any(entry[0] == size for entry in self.idle)
 
     def take(self, size: int) -> tuple[mmap.mmap, int]:
         """``(buffer, offset)``: an idle buffer of ``size`` bytes, or a new one (advised
         ``MADV_HUGEPAGE``); ``offset`` is where its 2 MiB-aligned ``size`` bytes start."""
         with self.lock:
-            buffers = self.idle.get(size)
-            if buffers:
-                self.idle_bytes -= size
-                return buffers.pop()
+            for i in range(len(self.idle) - 1, -1, -1):
+                if self.idle[i][0] == size:
+                    _, buffer, offset = self.idle.pop(i)
+                    self.idle_bytes -= size
+                    return buffer, offset
         # (private: Python's default for anonymous maps is MAP_SHARED, shmem -- no
         # transparent huge pages there, and shared with forked children)
         buffer = mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)
@@ -162,23 +166,31 @@ class _OutputCache:
         return buffer, offset
 
     def give_back(self, buffer: mmap.mmap, offset: int, size: int) -> None:
-        """Keep a buffer no tensor uses any more, within :data:`OUTPUT_CACHE_BYTES`.
+        """Keep a buffer no tensor uses any more, unmapping the longest idle ones past
+        :data:`OUTPUT_CACHE_BYTES`.
 
         (Called by a finalizer, possibly while the interpreter shuts down, when module
         globals may already be ``None``: then nothing is kept.)"""
         limit = OUTPUT_CACHE_BYTES if isinstance(OUTPUT_CACHE_BYTES, int) else 0
+        if size > limit:
+            _unmap(buffer)
+            return
+        evicted = []
         with self.lock:
-            if self.idle_bytes + size <= limit:
-                self.idle.setdefault(size, []).append((buffer, offset))
-                self.idle_bytes += size
-                return
-        _unmap(buffer)
+            self.idle.append((size, buffer, offset))
+            self.idle_bytes += size
+            while self.idle_bytes > limit:
+                old_size, old, _ = self.idle.pop(0)
+                self.idle_bytes -= old_size
+                evicted.append(old)
+        for old in evicted:
+            _unmap(old)
 
     def clear(self) -> int:
         """Unmap every idle buffer; the bytes released."""
         with self.lock:
-            buffers = [b for group in self.idle.values() for b, _ in group]
-            released, self.idle, self.idle_bytes = self.idle_bytes, {}, 0
+            buffers = [buffer for _, buffer, _ in self.idle]
+            released, self.idle, self.idle_bytes = self.idle_bytes, [], 0
         for buffer in buffers:
             _unmap(buffer)
         return released
