@@ -235,30 +235,20 @@ class Activation(NamedTuple):
         if name == "identity":
             return dz
         out = out_like(dz)
-        if out is None:
-            if name == "relu":
-                return _ATEN.threshold_backward(dz, z if use_z else y, 0)
-            if name == "leaky_relu":
-                return _ATEN.leaky_relu_backward(dz, z if use_z else y, self.negative_slope,
-                                                 use_z)
-            if name == "elu":
-                return _ATEN.elu_backward(dz, self.alpha, 1, 1, use_z, z if use_z else y)
-            if name == "silu":
-                return _ATEN.silu_backward(dz, y)
-            return _ATEN.gelu_backward(dz, y)
+
+        def call(op, *args):  # (the structured out= form into ``out`` where there is one)
+            return op(*args) if out is None else op.grad_input(*args, grad_input=out)
+
         if name == "relu":
-            return _ATEN.threshold_backward.grad_input(dz, z if use_z else y, 0,
-                                                       grad_input=out)
+            return call(_ATEN.threshold_backward, dz, z if use_z else y, 0)
         if name == "leaky_relu":
-            return _ATEN.leaky_relu_backward.grad_input(dz, z if use_z else y,
-                                                        self.negative_slope, use_z,
-                                                        grad_input=out)
+            return call(_ATEN.leaky_relu_backward, dz, z if use_z else y, self.negative_slope,
+                        use_z)
         if name == "elu":
-            return _ATEN.elu_backward.grad_input(dz, self.alpha, 1, 1, use_z,
-                                                 z if use_z else y, grad_input=out)
+            return call(_ATEN.elu_backward, dz, self.alpha, 1, 1, use_z, z if use_z else y)
         if name == "silu":
-            return _ATEN.silu_backward.grad_input(dz, y, grad_input=out)
-        return _ATEN.gelu_backward.grad_input(dz, y, grad_input=out)
+            return call(_ATEN.silu_backward, dz, y)
+        return call(_ATEN.gelu_backward, dz, y)
 
     def as_taken(self, y: Tensor, z: Tensor | None, y_forward: Tensor | None) -> Tensor:
         """The activation of ``y``, differentiable, each kink's side taken as the forward
