@@ -378,7 +378,9 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
     path served LayerNorm; RMSNorm has ``rstd`` only).
     """
     k = _stats.reduced_count(shape, range(len(shape)))
-    w = None if weight is None else weight.reshape(k)
+    # (the flat views are made where they are used: each op costs host time, several
+    # times its hot cost right after a large kernel has left the caches)
+    w = None if weight is None or center else weight.reshape(k)
     if not center and _rms_blocks_serve(x, residual, res_dtype):
         # (the sum too, block by block: each block is added, normalized and scaled while
         # it is in cache; without a residual the input itself is the sum)
@@ -397,8 +399,6 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
         blocks = native.layer_norm_blocks(x, shape, native.weight_for_bias(weight, bias),
                                           bias, eps, residual)
     s = _residual_sum(x, residual, res_dtype) if blocks is None else blocks[0]
-    rows = s.view(-1, k)  # (M, K)
-    b = None if bias is None else bias.reshape(k)
     mean = rstd = None
     if center:
         y = None
@@ -413,8 +413,10 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
             if not native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
                 y = mean = rstd = None
         if y is None:  # compensated statistics (normkit's core), recomputed in backward
-            y = normalize(rows, (1,), w, b, eps)[0].view(s.shape)
+            y = normalize(s.view(-1, k), (1,), None if weight is None else weight.reshape(k),
+                          None if bias is None else bias.reshape(k), eps)[0].view(s.shape)
     else:
+        rows = s.view(-1, k)  # (M, K)
         sc = _stats.upcast(rows)
         rstd = _stats.mean_square(sc, (1,)).add_(eps).rsqrt_()  # (M, 1)
         # (an upcast copy is scaled in place; else a new output, on huge pages when
@@ -484,7 +486,7 @@ def _add_norm_apply(x, residual, weight, bias, shape, eps, center, res_dtype, us
                                       res_dtype, use_native)
     s, y, _, _ = _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype,
                                    use_native)
-    normed = y.to(x.dtype)
+    normed = y if y.dtype == x.dtype else y.to(x.dtype)
     return (normed, s) if s is not x else normed
 
 
@@ -503,7 +505,7 @@ class _AddNormFunction(torch.autograd.Function):
         ctx.shape, ctx.eps, ctx.center, ctx.k = shape, eps, center, k
         ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
-        normed = y.to(x.dtype)
+        normed = y if y.dtype == x.dtype else y.to(x.dtype)
         return (normed, s) if s is not x else normed
 
     @staticmethod
