@@ -249,27 +249,35 @@ def test_group_norm_operators_pass_opcheck_on_every_path(monkeypatch):
                 (dy, x, 2, hi, lo, rstd, w, b, [True, True, False]))
 
 
-@pytest.mark.parametrize("shape,offset,biased", [
-    ((8, 6, 5, 5), 0.0, False),       # torch's kernel inside the operator
-    ((8, 6, 5, 5), 1e3, True),        # ill-conditioned: compensated
-    ((16, 6, 24, 24), 0.5, False),    # > 8192 values per channel: the slice-sums engine
-    ((4, 6, 2, 3, 4), 1.0, False),    # channels_last_3d
-], ids=["torch-kernel", "compensated", "engine", "3d"])
-def test_compiled_channels_last_batch_norm_is_one_operator_each_way(shape, offset, biased,
-                                                                      monkeypatch):
-    """Channels-last training BatchNorm compiles to normkit::batch_norm_train and its
-    backward operator; the running statistics are updated in the graph from the batch
-    statistics it returns: eager mode's values, gradients and buffers."""
+@pytest.mark.parametrize("shape,offset,biased,channels_last", [
+    ((8, 6, 5, 5), 0.0, False, True),       # torch's kernel inside the operator
+    ((8, 6, 5, 5), 1e3, True, True),        # ill-conditioned: compensated
+    ((16, 6, 24, 24), 0.5, False, True),    # > 8192 values per channel: the slice-sums engine
+    ((4, 6, 2, 3, 4), 1.0, False, True),    # channels_last_3d
+    ((8, 6, 5, 5), 0.5, False, False),      # NCHW below the engine's size: torch's kernel
+    ((16, 6, 24, 24), 0.5, True, False),    # NCHW: the slice-sums engine
+    ((16, 6, 24, 24), 1e3, False, False),   # NCHW, ill-conditioned: compensated
+    ((32, 6, 600), 1.0, False, False),      # (N, C, L): the engine
+    ((4, 6, 4, 8, 8), 1.0, False, False),   # NCDHW: the engine
+], ids=["torch-kernel", "compensated", "engine", "3d", "nchw-kernel", "nchw-engine",
+        "nchw-compensated", "ncl", "ncdhw"])
+def test_compiled_batch_norm_is_one_operator_each_way(shape, offset, biased, channels_last,
+                                                      monkeypatch):
+    """Training BatchNorm, contiguous or channels-last, compiles to
+    normkit::batch_norm_train and its backward operator; the running statistics are
+    updated in the graph from the batch statistics it returns: eager mode's values,
+    gradients and buffers."""
     from normkit.kernels import channels
 
-    monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 15)
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 12 if not channels_last else 1 << 15)
     torch._dynamo.reset()
     backend, seen = recording_backend()
     torch.manual_seed(7)
-    make = normkit.BatchNorm2d if len(shape) == 4 else normkit.BatchNorm3d
+    make = {3: normkit.BatchNorm1d, 4: normkit.BatchNorm2d, 5: normkit.BatchNorm3d}[len(shape)]
     eager = make(6, unbiased_running_var=not biased)
     twin, compiled = _twins(eager, backend)
-    layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    layout = (torch.contiguous_format if not channels_last
+              else torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
     for step in range(2):
         x = (torch.randn(shape, dtype=torch.float64) * 2 + offset + step).float()
         _step_both(eager, twin, compiled, x.contiguous(memory_format=layout), layout)
@@ -292,11 +300,13 @@ def test_batch_norm_operators_pass_opcheck_on_every_path(monkeypatch):
 
     monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 12)
     gen = torch.Generator().manual_seed(8)
-    for shape, offset in (((8, 4, 5, 5), 0.0), ((8, 4, 5, 5), 1e3), ((16, 4, 24, 24), 0.0)):
-        x = (torch.randn(shape, generator=gen) + offset).contiguous(
-            memory_format=torch.channels_last)
+    cl, nchw = torch.channels_last, torch.contiguous_format
+    for shape, offset, layout in (((8, 4, 5, 5), 0.0, cl), ((8, 4, 5, 5), 1e3, cl),
+                                  ((16, 4, 24, 24), 0.0, cl), ((8, 4, 5, 5), 0.0, nchw),
+                                  ((16, 4, 24, 24), 0.0, nchw), ((16, 4, 24, 24), 1e3, nchw)):
+        x = (torch.randn(shape, generator=gen) + offset).contiguous(memory_format=layout)
         w, b = torch.randn(4, generator=gen), torch.randn(4, generator=gen)
-        dy = torch.randn(shape, generator=gen).contiguous(memory_format=torch.channels_last)
+        dy = torch.randn(shape, generator=gen).contiguous(memory_format=layout)
         # (weight/bias gradients are sums over N*H*W values: AOT hands the backward its
         # gradient in another memory format, so they are summed in another order)
         sums = dict(rtol=1e-5, atol=1e-4)

@@ -286,9 +286,9 @@ def batch_norm(
         y, mean, invstd = torch.native_batch_norm(input, weight, bias, None, None, True, 0.0,
                                                   eps)
         mean, var = mean.detach(), (invstd.detach().double().pow(-2) - eps).clamp_min_(0.0)
-    elif backend == "auto" and in_graph() and library.serves_channels_last(input, weight,
-                                                                            bias):
-        # torch.compile: the channels-last paths as one operator (kernels.library)
+    elif backend == "auto" and in_graph() and library.serves_batch_norm_train(input, weight,
+                                                                              bias):
+        # torch.compile: the eager paths as one operator (kernels.library)
         y, mean, var = library.batch_norm_train(input, weight, bias, eps)
     else:
         fast = None
