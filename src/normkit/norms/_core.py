@@ -35,7 +35,7 @@ def compiling() -> bool:
     Under compilation ``backend="auto"`` takes the reference math on the CPU: it has no
     data-dependent branches (``fullgraph=True`` works) and Inductor fuses its
     elementwise passes and reductions into its own kernels. (Except on the CPU LayerNorm,
-    GroupNorm and channels-last training BatchNorm, whose eager paths are registered
+    GroupNorm and training BatchNorm (NCHW and channels-last), whose eager paths are registered
     operators, :mod:`normkit.kernels.library` -- under torch.compile only, see
     :func:`in_graph`; CUDA inputs keep the LayerNorm/RMSNorm Triton kernels, registered
     operators too, and torch's BatchNorm/GroupNorm: see
