@@ -288,34 +288,24 @@ def _batch_norm_train(x, weight, bias, eps):
     c = x.shape[1]
     count = x.numel() // c
     zeros = x.new_zeros(c)
-    if x.is_contiguous():
-        # NCHW, as in eager mode: the slice-sums engine (its sums contiguous, per (n, c)
-        # slice; 2-3x faster than torch's kernel forward), below its size torch's kernel
-        if channels.supports(x, weight, bias):
-            stats = channels.moments(x, channels.Pool("batch"), eps)
-            if stats is not None:
-                mean, var, rstd = stats  # (1, C)
-                y = channels.affine(x, mean, rstd, weight, bias)
-                return y, mean.view(c), zeros, rstd.view(c), var.view(c)
-        else:
-            y, mean, rstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0,
-                                                    eps)
-            if native.well_conditioned(mean, rstd, native.THRESHOLDS["batch_norm"]):
-                var = (rstd.double().pow(-2) - eps).clamp_(min=0.0).to(x.dtype)
-                return y, mean, zeros, rstd, var
-    elif count <= native.CHANNELS_LAST_MAX_COUNT:
-        y, mean, rstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
-        if native.well_conditioned(mean, rstd,
-                                   native.THRESHOLDS["batch_norm_channels_last_train"]):
-            # the kernel's variance back from its rstd (float64: ~1e-7 relative), no pass
-            var = (rstd.double().pow(-2) - eps).clamp_(min=0.0).to(x.dtype)
-            return y, mean, zeros, rstd, var
-    elif channels.supports(x, weight, bias):
+    # as in eager mode: on NCHW input the slice-sums engine (its sums contiguous, per
+    # (n, c) slice; 2-3x faster than torch's kernel forward) and torch's kernel below its
+    # size; on channels-last input torch's kernel up to CHANNELS_LAST_MAX_COUNT values per
+    # channel, the engine beyond
+    nchw = x.is_contiguous()
+    if channels.supports(x, weight, bias) and (nchw or count > native.CHANNELS_LAST_MAX_COUNT):
         stats = channels.moments(x, channels.Pool("batch"), eps)
         if stats is not None:
             mean, var, rstd = stats  # (1, C)
             y = channels.affine(x, mean, rstd, weight, bias)
             return y, mean.view(c), zeros, rstd.view(c), var.view(c)
+    elif nchw or count <= native.CHANNELS_LAST_MAX_COUNT:
+        y, mean, rstd = torch.native_batch_norm(x, weight, bias, None, None, True, 0.0, eps)
+        bound = native.THRESHOLDS["batch_norm" if nchw else "batch_norm_channels_last_train"]
+        if native.well_conditioned(mean, rstd, bound):
+            # the kernel's variance back from its rstd (float64: ~1e-7 relative), no pass
+            var = (rstd.double().pow(-2) - eps).clamp_(min=0.0).to(x.dtype)
+            return y, mean, zeros, rstd, var
     view = (1, c) + (1,) * (x.dim() - 2)
     y, mean_hi, mean_lo, var, rstd = normalize_forward(x, _BATCH_DIMS[x.dim()],
                                                        _view(weight, view), _view(bias, view),
