@@ -287,6 +287,53 @@ def test_compiled_batch_norm_is_one_operator_each_way(shape, offset, biased, cha
             "normkit.batch_norm_train_backward.default"} <= set(seen), seen
 
 
+@pytest.mark.parametrize("shape,offset,layout", [
+    ((8, 4, 5, 5), 0.5, "nchw"),        # below the engine's size: torch's kernel
+    ((16, 4, 24, 24), 0.5, "nchw"),     # the slice-sums engine
+    ((16, 4, 24, 24), 1e4, "nchw"),     # ill-conditioned: compensated
+    ((32, 4, 600), 1.0, "nchw"),        # (N, C, L)
+    ((8, 4, 5, 5), 0.5, "cl"),          # torch's channels-last kernel
+    ((16, 4, 24, 24), 0.5, "cl"),       # > 8192 values per channel: the engine
+    ((16, 4, 24, 24), 1e4, "cl"),       # ill-conditioned: compensated
+], ids=["nchw-kernel", "nchw-engine", "nchw-compensated", "ncl", "cl-kernel", "cl-engine",
+        "cl-compensated"])
+def test_batch_norm_operators_match_the_float64_oracle(shape, offset, layout, monkeypatch):
+    """normkit::batch_norm_train and its backward operator, called directly, against the
+    plain two-pass float64 formulas on the same input: output, batch mean and biased
+    variance, and all three gradients, within the float32 tolerance table."""
+    from oracle import TOL, assert_close, assert_grad_close, channel_view, normalize64
+
+    from normkit.kernels import channels
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 1 << 12)
+    gen = torch.Generator().manual_seed(12)
+    fmt = torch.contiguous_format if layout == "nchw" else torch.channels_last
+    x = ((torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + offset).float()
+         .contiguous(memory_format=fmt))
+    w = torch.rand(4, generator=gen) + 0.5
+    b = torch.randn(4, generator=gen)
+    dy = torch.randn(shape, generator=gen).contiguous(memory_format=fmt)
+    dims = (0,) + tuple(range(2, x.dim()))
+    y, hi, lo, rstd, var = torch.ops.normkit.batch_norm_train(x, w, b, 1e-5)
+    x64 = x.double().requires_grad_()
+    w64, b64 = w.double().requires_grad_(), b.double().requires_grad_()
+    ref = normalize64(x64, dims, channel_view(w64, x.dim()), channel_view(b64, x.dim()))
+    assert y.is_contiguous(memory_format=fmt)
+    assert_close(y, ref, torch.float32)
+    # (the statistics relative to their size: the table's float32 rtol, no atol; the
+    # compensated path keeps the mean at an offset of 1e4 as a float32 hi/lo pair)
+    rtol = TOL[torch.float32]["rtol"]
+    torch.testing.assert_close(hi.double() + lo.double(), x64.detach().mean(dims), rtol=rtol,
+                               atol=0)
+    torch.testing.assert_close(var.double(), x64.detach().var(dims, correction=0), rtol=rtol,
+                               atol=0)
+    got = torch.ops.normkit.batch_norm_train_backward(dy, x, hi, lo, rstd, w, 1e-5,
+                                                      [True, True, True])
+    expected = torch.autograd.grad(ref, (x64, w64, b64), dy.double())
+    for g, e, name in zip(got, expected, ("dx", "dweight", "dbias"), strict=True):
+        assert_grad_close(g, e, torch.float32, name)
+
+
 def test_batch_norm_operators_pass_opcheck_on_every_path(monkeypatch):
     import inspect
 
