@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -109,3 +111,16 @@ def test_patch_and_unpatch_round_trip_with_equal_outputs_and_state():
         normkit.patch(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="to unpatch"):
         normkit.unpatch(net)
+
+
+def test_unpatch_warns_where_torch_would_store_another_running_var():
+    """torch's BatchNorm stores the unbiased batch variance: a layer built with
+    ``unbiased_running_var=False`` would change what it stores, so unpatch says so."""
+    net = torch.nn.Sequential(normkit.BatchNorm2d(3, unbiased_running_var=False),
+                              normkit.BatchNorm1d(3))
+    with pytest.warns(UserWarning, match=r"BatchNorm2d built with unbiased_running_var=False"):
+        back = normkit.unpatch(net)
+    assert type(back[0]) is torch.nn.BatchNorm2d
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        normkit.unpatch(torch.nn.Sequential(normkit.BatchNorm2d(3)))

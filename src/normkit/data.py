@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _stats
+from .norms._base import NotScriptable
 
 __all__ = ["Standardizer", "StandardizedModel"]
 
@@ -145,7 +146,7 @@ def _masked_moments(x: Tensor, valid: Tensor,
     return count, mean_hi, mean_lo, m2
 
 
-class Standardizer(nn.Module):
+class Standardizer(NotScriptable, nn.Module):
     r"""Standardize features with statistics fit on data: ``y = (x - mean) / scale``.
 
     scikit-learn's ``StandardScaler`` as a module (also Keras' ``Normalization`` layer
@@ -683,7 +684,7 @@ def _make_scaler(spec: Standardizer | bool | None, name: str) -> Standardizer | 
                     f"got {type(spec).__name__}")
 
 
-class StandardizedModel(nn.Module):
+class StandardizedModel(NotScriptable, nn.Module):
     """A model that sees standardized inputs and targets but predicts in original units.
 
     ``forward(x) = y_scaler.inverse_transform(model(x_scaler(x)))``. Regression trains

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as TF
 from torch.nn.utils.rnn import PackedSequence
 
+from .norms._base import NotScriptable
 from .norms._core import check_floating, shape_str
 from .norms.layer import LayerNorm
 
@@ -162,7 +163,7 @@ def _make_layer_norms(layer_norm: bool, hidden_size: int, eps: float,
 # --------------------------------------------------------------------------- modules
 
 
-class LayerNormLSTMCell(nn.Module):
+class LayerNormLSTMCell(NotScriptable, nn.Module):
     r"""An LSTM cell with Layer Normalization (Ba, Kiros & Hinton 2016, section 3.2).
 
     Layer Normalization, arXiv:1607.06450: the input and recurrent contributions to
@@ -287,7 +288,7 @@ class LayerNormLSTMCell(nn.Module):
         return h, c
 
 
-class LayerNormLSTM(nn.Module):
+class LayerNormLSTM(NotScriptable, nn.Module):
     r"""A multi-layer LSTM with Layer Normalization (Ba, Kiros & Hinton 2016, section 3.2).
 
     Layer Normalization, arXiv:1607.06450. Each layer, in each direction, runs the

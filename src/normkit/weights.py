@@ -40,6 +40,7 @@ from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 from torch.nn.utils import parametrize
 
 from . import _stats
+from .norms._base import NotScriptable
 from .norms._core import check_backend
 
 __all__ = [
@@ -179,7 +180,7 @@ class _WeightNormFunction(torch.autograd.Function):
 # --------------------------------------------------------------------------------------
 
 
-class WeightNorm(nn.Module):
+class WeightNorm(NotScriptable, nn.Module):
     r"""The weight-normalization parametrization ``(g, v) -> g * v / ||v||``.
 
     Weight Normalization (Salimans & Kingma 2016):

@@ -1,11 +1,28 @@
-"""What every normkit module adds to its torch.nn parent: a forward-time backend."""
+"""What every normkit module adds to its torch.nn parent: a forward-time backend, and a
+clear answer to ``torch.jit.script``."""
 
 from __future__ import annotations
+
+from torch import nn
 
 from ._core import check_backend
 
 
-class BackendMixin:
+class NotScriptable:
+    """``torch.jit.script`` on a normkit layer (or a model holding one) fails at once
+    with an error that says why and names what works instead (see
+    :func:`script_error`), not deep inside TorchScript's compiler.
+
+    (A hook that handed TorchScript an equivalent torch.nn layer would be swapped into
+    the user's own model: torch's ``__prepare_scriptable__`` pass assigns what it
+    returns into the parent module's children, in place.)
+    """
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        raise script_error(self)
+
+
+class BackendMixin(NotScriptable):
     """Adds the keyword-only ``backend`` argument and attribute to a torch.nn norm.
 
     The backend is read by ``forward`` every call, so it can be changed on a built
@@ -20,3 +37,40 @@ class BackendMixin:
     def extra_repr(self) -> str:
         base = super().extra_repr()
         return base if self.backend == "auto" else f"{base}, backend={self.backend!r}"
+
+
+def script_error(module: nn.Module) -> RuntimeError:
+    """The error ``torch.jit.script`` raises for a normkit ``module``.
+
+    TorchScript cannot compile normkit's forward: Python that chooses among kernels by
+    the data. ``torch.jit.trace`` and ``torch.export`` record normkit's compensated math
+    as ATen operators (what torch itself now recommends over scripting); a drop-in
+    layer's model can also be scripted as torch's after :func:`normkit.unpatch`, which
+    turns the drop-ins back into torch.nn layers with the same parameters and buffers
+    (and torch's numerics).
+
+    Example:
+        >>> import normkit
+        >>> print(script_error(normkit.LayerNorm2d(8)))  # doctest: +ELLIPSIS
+        torch.jit.script cannot compile normkit.LayerNorm2d: normkit's layers are Python ...
+    """
+    from torch.nn import SyncBatchNorm
+
+    from ..tools.convert import _TORCH_OF
+
+    name = type(module).__name__
+    torch_class = _TORCH_OF.get(type(module))
+    if torch_class is SyncBatchNorm:
+        instead = "torch.nn.SyncBatchNorm cannot be scripted either; "
+    elif torch_class is not None:
+        instead = (f"to script it as torch.nn.{torch_class.__name__}, with torch's kernels, "
+                   f"script normkit.unpatch(model), a copy whose normkit drop-ins are torch.nn "
+                   f"layers holding the same parameters and buffers; or ")
+    else:
+        instead = f"torch has no layer that computes what {name} does; "
+    return RuntimeError(
+        f"torch.jit.script cannot compile normkit.{name}: normkit's layers are Python "
+        f"written for eager mode and torch.compile (their paths are chosen by the data), "
+        f"which TorchScript cannot compile. Instead, {instead}use "
+        f"torch.jit.trace(model, example_inputs) or torch.export.export(model, args), which "
+        f"record normkit's math as ATen operators.")

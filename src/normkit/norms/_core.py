@@ -29,8 +29,9 @@ BACKENDS = ("auto", "reference", "eager", "triton")
 
 
 def compiling() -> bool:
-    """True while torch.compile traces the code, or a ``torch.func`` transform (``vmap``,
-    ``grad``, ``jvp``, ``jacrev`` ...) runs it.
+    """True while torch.compile or torch.export traces the code, ``torch.jit.trace``
+    records it, or a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``
+    ...) runs it.
 
     Under compilation ``backend="auto"`` takes the reference math on the CPU: it has no
     data-dependent branches (``fullgraph=True`` works) and Inductor fuses its
@@ -42,7 +43,11 @@ def compiling() -> bool:
     :data:`normkit.functional.TRITON_AUTO_OPS`.) Under a ``torch.func`` transform the
     fast paths' accuracy checks cannot read a statistic back (``vmap`` refuses
     ``.item()``), so the reference math serves there too: plain torch operations,
-    which every transform composes with.
+    which every transform composes with. A ``torch.jit.trace`` graph records the
+    operators one call ran and replays them for any input: a fast path's choice, made
+    on the traced input's statistics, would be frozen into it (and its checks break the
+    tracer's sanity check), so a trace records the reference math, accurate at any
+    offset, too.
 
     Example:
         >>> compiling()
@@ -50,23 +55,33 @@ def compiling() -> bool:
         >>> torch.func.vmap(lambda x: x * compiling())(torch.ones(2))
         tensor([1., 1.])
     """
-    return torch.compiler.is_compiling() or _transforms_active()
+    return torch.compiler.is_compiling() or _transforms_active() or _tracing()
 
 
 #: Whether a torch.func transform is active (looked up once: compiling() runs on every
 #: call of every layer).
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+#: Whether ``torch.jit.trace`` is recording.
+_tracing = torch.jit.is_tracing
+#: Whether torch.export is tracing (torch >= 2.5; before it, no export is told apart).
+_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def in_graph() -> bool:
     """True while torch.compile traces the code (not under a ``torch.func`` transform
-    alone): where :mod:`normkit.kernels.library`'s registered operators serve.
+    alone, nor torch.export): where :mod:`normkit.kernels.library`'s registered
+    operators serve.
+
+    An exported program is made to run elsewhere -- AOTInductor, ExecuTorch, ONNX, a
+    process that never imports normkit -- where normkit's Python operators do not exist,
+    so under torch.export ``backend="auto"`` records the reference math instead: ATen
+    operators only (and torch's own kernels on a GPU).
 
     Example:
         >>> in_graph()
         False
     """
-    return torch.compiler.is_compiling()
+    return torch.compiler.is_compiling() and not _exporting()
 
 
 def check_backend(backend: str) -> str:

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from .. import _stats
 from .. import functional as F
 from ..kernels import channels, native
-from ._base import BackendMixin
+from ._base import BackendMixin, NotScriptable
 from ._core import (
     check_channels,
     check_floating,
@@ -165,7 +165,7 @@ class BatchNorm3d(_BatchNormForward, nn.BatchNorm3d):
 # --------------------------------------------------------------------------- frozen
 
 
-class FrozenBatchNorm(nn.Module):
+class FrozenBatchNorm(NotScriptable, nn.Module):
     r"""BatchNorm with fixed statistics and affine parameters, all stored as buffers.
 
     .. math:: y = \frac{x - \mu_{running}}{\sqrt{\sigma^2_{running} + \epsilon}} \gamma + \beta

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _stats
+from ._base import NotScriptable
 from ._core import check_backend, check_floating, shape_str
 
 __all__ = ["MeanOnlyBatchNorm1d", "MeanOnlyBatchNorm2d", "reference_mean_only"]
@@ -77,7 +78,7 @@ class _MeanOnlyFunction(torch.autograd.Function):
         return dx, db, None
 
 
-class _MeanOnlyBatchNorm(nn.Module):
+class _MeanOnlyBatchNorm(NotScriptable, nn.Module):
     """The module shared by MeanOnlyBatchNorm1d/2d (the docstring is on each)."""
 
     _ndims: tuple[int, ...] = ()

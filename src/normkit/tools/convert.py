@@ -244,7 +244,10 @@ def unpatch(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every normkit drop-in turned back into its torch.nn class.
 
     Layers torch has no class for (LayerNorm2d, BatchRenorm, FrozenBatchNorm, ...) stay
-    as they are. Raises ValueError when there is nothing to unpatch.
+    as they are. Raises ValueError when there is nothing to unpatch. A BatchNorm built
+    with ``unbiased_running_var=False`` warns: torch's class stores the unbiased batch
+    variance in ``running_var`` from its next training step on (the running statistics
+    so far are kept).
 
     Example:
         >>> import torch, normkit
@@ -252,6 +255,12 @@ def unpatch(model: nn.Module) -> nn.Module:
         >>> type(normkit.unpatch(net)[0]) is torch.nn.GroupNorm
         True
     """
+    biased = sorted({type(m).__name__ for m in model.modules()
+                     if type(m) in _TORCH_OF and getattr(m, "unbiased_running_var", True) is False})
+    if biased:
+        warnings.warn(f"unpatch: {', '.join(biased)} built with unbiased_running_var=False "
+                      "become torch.nn layers, which store the unbiased batch variance in "
+                      "running_var from their next training step on", stacklevel=2)
     return replace_modules(model, lambda m: type(m) in _TORCH_OF,
                            lambda m: _retype(m, _TORCH_OF[type(m)], False),
                            "normkit drop-in layers to unpatch")

@@ -1,0 +1,197 @@
+"""normkit's layers on the ways torch hands a model to deployment: ``torch.jit.trace``,
+``torch.export`` and ``torch.jit.script``.
+
+A trace records the operators one call ran and replays them for any input. normkit's
+eager fast paths choose a kernel by the data (an accuracy check on the statistics), so a
+trace of them would freeze the traced input's choice -- torch's kernel replayed on data
+at an offset, where it loses precision -- and their checks failed the tracer's sanity
+check outright (BatchNorm in eval, GroupNorm, InstanceNorm, the fused norm + activation
+layers). Under ``torch.jit.trace`` and ``torch.export`` normkit records its reference
+math: ATen operators only, accurate at any offset, portable to wherever the graph runs.
+TorchScript cannot compile normkit's Python: ``torch.jit.script`` fails at once, saying
+what works instead, and leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from oracle import TOL, assert_close, assert_grad_close, reference_forward
+
+import normkit
+
+#: name -> (module factory, input shape(s)); every public layer class at least once.
+LAYERS = {
+    "BatchNorm1d": (lambda: normkit.BatchNorm1d(4), (6, 4, 5)),
+    "BatchNorm2d": (lambda: normkit.BatchNorm2d(4), (3, 4, 5, 5)),
+    "BatchNorm3d": (lambda: normkit.BatchNorm3d(4), (2, 4, 3, 3, 3)),
+    "BatchNorm2d biased running_var": (
+        lambda: normkit.BatchNorm2d(4, unbiased_running_var=False), (3, 4, 5, 5)),
+    "LayerNorm": (lambda: normkit.LayerNorm(16), (6, 16)),
+    "RMSNorm": (lambda: normkit.RMSNorm(16), (6, 16)),
+    "LayerNorm2d": (lambda: normkit.LayerNorm2d(4), (3, 4, 5, 5)),
+    "GroupNorm": (lambda: normkit.GroupNorm(2, 4), (3, 4, 5, 5)),
+    "InstanceNorm2d": (lambda: normkit.InstanceNorm2d(4, affine=True, track_running_stats=True),
+                       (3, 4, 5, 5)),
+    "FrozenBatchNorm2d": (lambda: normkit.FrozenBatchNorm2d(4), (3, 4, 5, 5)),
+    "BatchRenorm2d": (lambda: normkit.BatchRenorm2d(4), (3, 4, 5, 5)),
+    "MeanOnlyBatchNorm2d": (lambda: normkit.MeanOnlyBatchNorm2d(4), (3, 4, 5, 5)),
+    "BatchNormAct2d": (lambda: normkit.BatchNormAct2d(4, act="silu"), (3, 4, 5, 5)),
+    "BatchNormAct2d inplace": (
+        lambda: normkit.BatchNormAct2d(4, act="leaky_relu", memory="inplace"), (3, 4, 5, 5)),
+    "GroupNormAct": (lambda: normkit.GroupNormAct(2, 4, act="silu"), (3, 4, 5, 5)),
+    "AddLayerNorm": (lambda: normkit.AddLayerNorm(16), ((6, 16), (6, 16))),
+    "AddRMSNorm": (lambda: normkit.AddRMSNorm(16), ((6, 16), (6, 16))),
+    "LayerNormLSTMCell": (lambda: normkit.LayerNormLSTMCell(16, 8), (6, 16)),
+    "LayerNormLSTM": (lambda: normkit.LayerNormLSTM(16, 8), (5, 3, 16)),
+}
+#: The layers ``oracle.reference_forward`` knows: checked against float64 too.
+ORACLE = {"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "RMSNorm", "LayerNorm2d",
+          "GroupNorm", "InstanceNorm2d"}
+
+
+def _module(name):
+    gen = torch.Generator().manual_seed(1)
+    module = LAYERS[name][0]()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return module
+
+
+def _inputs(name, seed, offset):
+    shape = LAYERS[name][1]
+    gen = torch.Generator().manual_seed(seed)
+    shapes = shape if isinstance(shape[0], tuple) else (shape,)
+    return tuple((torch.randn(s, generator=gen, dtype=torch.float64) * 2 + offset).float()
+                 for s in shapes)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _trace(module, args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch 2.13 deprecates tracing; shape warnings)
+        return torch.jit.trace(module, args)  # check_trace: traced twice, graphs compared
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_traced_layer_replays_normkit_math_on_any_input(name, training):
+    """Traced on centred data, replayed on data at an offset of 1e4 (torch's kernels are
+    off by ~1e-3 there): the output, every gradient and the running statistics equal the
+    eager layer's, and the float64 oracle's, within the float32 tolerances."""
+    eager = _module(name).train(training)
+    traced_module = copy.deepcopy(eager)
+    traced = _trace(traced_module, _inputs(name, 0, 0.0))
+    traced_module.load_state_dict(eager.state_dict())  # (tracing ran it: undo its updates)
+    offset = 0.0 if name.startswith("LayerNormLSTM") else 1e4  # (an LSTM's gates saturate)
+    args = _inputs(name, 1, offset)
+    eager_args = tuple(a.clone().requires_grad_() for a in args)
+    traced_args = tuple(a.clone().requires_grad_() for a in args)
+    y_eager, y_traced = _first(eager(*eager_args)), _first(traced(*traced_args))
+    assert_close(y_traced, y_eager, torch.float32)
+    if name in ORACLE:
+        assert_close(y_traced, reference_forward(eager, args[0].double()), torch.float32)
+    dy = torch.randn_like(y_eager)
+    y_eager.backward(dy)
+    y_traced.backward(dy)
+    for a, b in zip(eager_args, traced_args, strict=True):
+        assert_grad_close(b.grad, a.grad, torch.float32, "input grad")
+    for (pname, a), b in zip(eager.named_parameters(), traced_module.parameters(), strict=True):
+        assert_grad_close(b.grad, a.grad, torch.float32, pname)
+    for (bname, a), b in zip(eager.named_buffers(), traced_module.buffers(), strict=True):
+        if a.is_floating_point():
+            torch.testing.assert_close(b, a, msg=bname, **TOL[torch.float32])
+        else:
+            assert torch.equal(b, a), bname
+
+
+#: torch.export cases: the layers whose eager paths are registered operators under
+#: torch.compile (LayerNorm, GroupNorm, training BatchNorm, the add-norm and the
+#: channels-last LayerNorm2d through LayerNorm's), and two that never were.
+EXPORTS = ["LayerNorm", "GroupNorm", "BatchNorm2d", "AddLayerNorm", "LayerNorm2d channels_last",
+           "GroupNormAct", "RMSNorm"]
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", EXPORTS)
+def test_exported_program_holds_only_aten_operators(case, training):
+    """An exported program runs where normkit's Python operators do not exist
+    (AOTInductor, ExecuTorch, ONNX, a process without normkit): it records ATen only,
+    and computes what the eager layer does, at an offset too."""
+    name = case.removesuffix(" channels_last")
+    eager = _module(name).train(training)
+    exported_module = copy.deepcopy(eager)
+    args = _inputs(name, 0, 0.0)
+    if case.endswith("channels_last"):
+        args = tuple(a.contiguous(memory_format=torch.channels_last) for a in args)
+    program = torch.export.export(exported_module, args)
+    targets = {node.target for node in program.graph.nodes if node.op == "call_function"}
+    foreign = sorted(str(t) for t in targets
+                     if isinstance(t, torch._ops.OpOverload) and t.namespace != "aten")
+    assert not foreign, f"non-ATen operators in the exported graph: {foreign}"
+    assert any(isinstance(t, torch._ops.OpOverload) for t in targets)
+    new = tuple(a + 1e4 for a in _inputs(name, 1, 0.0))
+    assert_close(_first(program.module()(*new)), _first(eager(*new)), torch.float32)
+
+
+def test_compile_keeps_the_registered_operators():
+    """(The converse: torch.compile, which runs in this process, keeps normkit's operators,
+    the eager paths' speed.)"""
+    from compile_recorder import recording_backend
+
+    torch._dynamo.reset()
+    backend, seen = recording_backend()
+    torch.compile(normkit.LayerNorm(16), fullgraph=True, backend=backend)(torch.randn(6, 16))
+    assert any(target.startswith("normkit.layer_norm") for target in seen), seen
+
+
+def _model():
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), normkit.BatchNorm2d(4), torch.nn.ReLU(),
+        normkit.GroupNorm(2, 4), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 8),
+        normkit.LayerNorm(8), normkit.RMSNorm(8))
+
+
+#: Layers beyond LAYERS that a model may hold: (the class named in the error, factory).
+OTHERS = {
+    "weight_norm": ("WeightNorm", lambda: normkit.weight_norm(torch.nn.Linear(3, 2))),
+    "Standardizer": ("Standardizer", lambda: normkit.Standardizer().fit(torch.randn(9, 3))),
+    "StandardizedModel": ("StandardizedModel", lambda: normkit.StandardizedModel(
+        torch.nn.Linear(3, 1), x=True).fit_scalers(torch.randn(9, 3))),
+    "SyncBatchNorm": ("SyncBatchNorm", lambda: normkit.SyncBatchNorm(4)),
+    "FrozenBatchNorm": ("FrozenBatchNorm", lambda: normkit.FrozenBatchNorm(4)),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS) + list(OTHERS))
+def test_script_fails_at_once_and_says_what_works(name):
+    """Not deep inside TorchScript's compiler: at the layer, naming it and the ways that
+    work (``normkit.unpatch`` only where it gives a scriptable torch.nn layer)."""
+    shown, make = OTHERS[name] if name in OTHERS else (name.split()[0], lambda: _module(name))
+    with pytest.raises(RuntimeError, match=rf"cannot compile normkit\.{shown}:.*"
+                                           r"torch\.jit\.trace.*torch\.export\.export") as error:
+        torch.jit.script(make())
+    drop_in = shown in {"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "RMSNorm",
+                        "GroupNorm", "InstanceNorm2d"}
+    assert ("normkit.unpatch(model)" in str(error.value)) == drop_in
+
+
+def test_script_leaves_the_model_alone_and_scripts_after_unpatch():
+    model = _model().eval()
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(RuntimeError, match=r"normkit\.BatchNorm2d.*normkit\.unpatch\(model\)"):
+        torch.jit.script(model)
+    assert [type(m) for m in model.modules()] == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(normkit.unpatch(model))
+    x = torch.randn(2, 3, 6, 6)
+    assert_close(scripted(x), model(x), torch.float32)
+    assert sorted(scripted.state_dict()) == sorted(model.state_dict())
