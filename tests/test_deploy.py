@@ -1,5 +1,5 @@
-"""normkit's layers on the ways torch hands a model to deployment: ``torch.jit.trace``,
-``torch.export`` and ``torch.jit.script``.
+"""normkit's layers on the ways torch hands a model to deployment and to graph tools:
+``torch.jit.trace``, ``torch.export``, ``torch.jit.script`` and ``torch.fx.symbolic_trace``.
 
 A trace records the operators one call ran and replays them for any input. normkit's
 eager fast paths choose a kernel by the data (an accuracy check on the statistics), so a
@@ -9,7 +9,9 @@ check outright (BatchNorm in eval, GroupNorm, InstanceNorm, the fused norm + act
 layers). Under ``torch.jit.trace`` and ``torch.export`` normkit records its reference
 math: ATen operators only, accurate at any offset, portable to wherever the graph runs.
 TorchScript cannot compile normkit's Python: ``torch.jit.script`` fails at once, saying
-what works instead, and leaves the model as it was.
+what works instead, and leaves the model as it was. ``torch.fx.symbolic_trace`` keeps each
+normkit layer one ``call_module`` node, as it keeps torch.nn's norms (it used to trace
+into normkit's forwards and fail on their first check of the input).
 """
 
 from __future__ import annotations
@@ -195,3 +197,75 @@ def test_script_leaves_the_model_alone_and_scripts_after_unpatch():
     x = torch.randn(2, 3, 6, 6)
     assert_close(scripted(x), model(x), torch.float32)
     assert sorted(scripted.state_dict()) == sorted(model.state_dict())
+
+
+class _Holder(torch.nn.Module):
+    """A model around one layer (FX never makes the root a leaf)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.pre = torch.nn.Identity()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(self.pre(x))
+
+
+class _Holder2(_Holder):
+    def forward(self, x, residual):
+        return self.norm(self.pre(x), residual)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_fx_keeps_each_layer_one_call_module_node(name, training):
+    """The graph calls the layer itself: the same outputs and running statistics as
+    eager mode, with normkit's own paths."""
+    args = _inputs(name, 1, 3.0)
+    holder = _Holder if len(args) == 1 else _Holder2
+    eager = holder(_module(name).train(training))
+    graph_module = torch.fx.symbolic_trace(holder(copy.deepcopy(eager.norm)))
+    calls = [n.target for n in graph_module.graph.nodes if n.op == "call_module"]
+    assert calls == ["pre", "norm"]
+    assert type(graph_module.norm) is type(eager.norm)
+    y_graph, y_eager = graph_module(*args), eager(*args)
+    for a, b in zip(torch.utils._pytree.tree_leaves(y_graph),
+                    torch.utils._pytree.tree_leaves(y_eager), strict=True):
+        assert torch.equal(a, b)
+    for (bname, a), b in zip(eager.named_buffers(), graph_module.buffers(), strict=True):
+        assert torch.equal(b, a), bname
+
+
+def test_fx_standardizer_is_one_node_and_a_root_layer_says_why_it_cannot_be_traced():
+    x = torch.randn(9, 3)
+    model = torch.nn.Sequential(normkit.Standardizer().fit(x), torch.nn.Linear(3, 2))
+    graph_module = torch.fx.symbolic_trace(model)
+    assert [n.op for n in graph_module.graph.nodes].count("call_module") == 2
+    assert torch.equal(graph_module(x), model(x))
+    with pytest.raises(RuntimeError, match=r"cannot trace into normkit\.LayerNorm.*trace the "
+                                           r"model that holds it"):
+        torch.fx.symbolic_trace(normkit.LayerNorm(8))
+
+
+def test_fx_graph_mode_quantization_runs_around_normkit_layers():
+    """FX graph-mode quantization (``prepare_fx``/``convert_fx``) traces the model: the
+    convolutions are quantized, normkit's layers stay float32 nodes between them."""
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), normkit.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3), normkit.GroupNorm(2, 8)).eval()
+    x = torch.randn(4, 3, 10, 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = prepare_fx(model, get_default_qconfig_mapping(), (x,))
+        prepared(x)
+        quantized = convert_fx(prepared)
+    kinds = {type(m).__module__.split(".")[0] for m in quantized.modules()}
+    assert "normkit" in kinds
+    assert any("quantized" in type(m).__module__ for m in quantized.modules())
+    reference = model(x)
+    err = float((quantized(x) - reference).abs().max())
+    assert err < 0.1 * float(reference.abs().max()), err  # int8 rounding, not a wrong graph

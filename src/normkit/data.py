@@ -36,9 +36,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.fx import Proxy
 
 from . import _stats
-from .norms._base import NotScriptable
+from .norms._base import NotScriptable, fx_leaf
 
 __all__ = ["Standardizer", "StandardizedModel"]
 
@@ -656,6 +657,8 @@ class Standardizer(NotScriptable, nn.Module):
             >>> s(torch.tensor([[2.0]]))
             tensor([[1.]])
         """
+        if isinstance(x, Proxy):
+            return fx_leaf(self, x)
         return self.transform(x)
 
     def inverse_transform(self, y: Tensor) -> Tensor:
@@ -784,6 +787,8 @@ class StandardizedModel(NotScriptable, nn.Module):
             >>> sm(torch.tensor([[1.0]])), sm(torch.tensor([[1.0]]), standardized_output=True)
             (tensor([[30.]]), tensor([[1.]]))
         """
+        if isinstance(x, Proxy):
+            return fx_leaf(self, x, *args, standardized_output=standardized_output, **kwargs)
         if self.x_scaler is not None:
             x = self.x_scaler(x)
         out = self.model(x, *args, **kwargs)

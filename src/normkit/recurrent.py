@@ -20,10 +20,11 @@ import warnings
 
 import torch
 from torch import Tensor, nn
+from torch.fx import Proxy
 from torch.nn import functional as TF
 from torch.nn.utils.rnn import PackedSequence
 
-from .norms._base import NotScriptable
+from .norms._base import NotScriptable, fx_leaf
 from .norms._core import check_floating, shape_str
 from .norms.layer import LayerNorm
 
@@ -263,6 +264,8 @@ class LayerNormLSTMCell(NotScriptable, nn.Module):
 
     def forward(self, input: Tensor,
                 hx: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        if isinstance(input, Proxy) or isinstance(hx, Proxy):
+            return fx_leaf(self, input, hx)
         who = type(self).__name__
         _check_dtype(who, input, self.weight_ih)
         if input.dim() not in (1, 2) or input.shape[-1] != self.input_size:
@@ -440,6 +443,8 @@ class LayerNormLSTM(NotScriptable, nn.Module):
     def forward(
         self, input: Tensor | PackedSequence, hx: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
+        if isinstance(input, Proxy) or isinstance(hx, Proxy):
+            return fx_leaf(self, input, hx)
         who = type(self).__name__
         num_directions = 2 if self.bidirectional else 1
         packed = isinstance(input, PackedSequence)

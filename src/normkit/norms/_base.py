@@ -1,9 +1,10 @@
-"""What every normkit module adds to its torch.nn parent: a forward-time backend, and a
-clear answer to ``torch.jit.script``."""
+"""What every normkit module adds to its torch.nn parent: a forward-time backend, a leaf
+node in ``torch.fx`` graphs, and a clear answer to ``torch.jit.script``."""
 
 from __future__ import annotations
 
 from torch import nn
+from torch.fx import Proxy
 
 from ._core import check_backend
 
@@ -74,3 +75,38 @@ def script_error(module: nn.Module) -> RuntimeError:
         f"which TorchScript cannot compile. Instead, {instead}use "
         f"torch.jit.trace(model, example_inputs) or torch.export.export(model, args), which "
         f"record normkit's math as ATen operators.")
+
+
+def fx_leaf(module: nn.Module, *args, **kwargs) -> Proxy:
+    """``module``'s call as one ``call_module`` node of the graph ``torch.fx.symbolic_trace``
+    is building: what a normkit layer's ``forward`` returns when it is handed an FX
+    ``Proxy`` (the first lines of each ``forward`` check).
+
+    FX traces *into* any module whose class lives outside ``torch.nn``, and normkit's
+    forwards inspect their input (its rank, dtype, layout, data) to choose a path, which
+    a ``Proxy`` cannot answer. torch.nn's own norms are leaves -- one node each, run by the
+    module itself when the graph runs -- and so are normkit's, which makes every model
+    holding them traceable by FX-based tools (torchvision's ``create_feature_extractor``,
+    FX graph-mode quantization, graph surgery). The graph module calls the normkit layer
+    itself, with normkit's kernels and numerics.
+
+    A normkit layer traced as the root (``symbolic_trace(normkit.LayerNorm(8))``) has no
+    parent to call it from: that raises, saying so.
+
+    Example:
+        >>> import torch, normkit
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), normkit.LayerNorm(8))
+        >>> graph = torch.fx.symbolic_trace(net).graph
+        >>> [node.op for node in graph.nodes]
+        ['placeholder', 'call_module', 'call_module', 'output']
+    """
+    proxy = next(a for a in (*args, *kwargs.values()) if isinstance(a, Proxy))
+    tracer = proxy.tracer
+    if getattr(tracer, "root", None) is module:
+        raise RuntimeError(
+            f"torch.fx.symbolic_trace cannot trace into normkit.{type(module).__name__}: its "
+            f"forward chooses a path by its input (rank, dtype, layout, data), which an FX "
+            f"Proxy cannot answer. Inside a model it is one call_module node, as torch.nn's "
+            f"norms are: trace the model that holds it, or use torch.export.export, which "
+            f"records normkit's math as ATen operators.")
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, kwargs)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.fx import Proxy
 
 from .. import _stats
 from .. import functional as F
 from ..kernels import channels, native
-from ._base import BackendMixin, NotScriptable
+from ._base import BackendMixin, NotScriptable, fx_leaf
 from ._core import (
     check_channels,
     check_floating,
@@ -117,6 +118,8 @@ class _BatchNormForward(BackendMixin):
                 use_batch_stats, factor)
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         self._check_input_dim(input)
         running_mean, running_var, use_batch_stats, factor = self._step_arguments()
         return F.batch_norm(
@@ -217,6 +220,8 @@ class FrozenBatchNorm(NotScriptable, nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         check_batch_input(self, input, self._ndims, self._shape_doc)
         # inference BatchNorm: torch's kernel where its check of these statistics passes
         # (a GPU: torch's kernel), normkit's scale_shift past it
@@ -425,6 +430,8 @@ class _BatchRenormForward(_BatchNormForward):
                              self.warmup_steps, self.r_max_steps, self.d_max_steps)
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         if not self.training:
             return super().forward(input)
         r_max, d_max = self.current_limits()

@@ -99,6 +99,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.fx import Proxy
 from torch.nn import functional as TF
 
 from .. import _stats
@@ -106,7 +107,7 @@ from .. import functional as F
 from ..kernels import channels, library, native
 from ..kernels import triton as tk
 from ..kernels.memory import empty_like, fresh_out_like, out_like
-from ._base import BackendMixin
+from ._base import BackendMixin, fx_leaf
 from ._core import (
     affine_view,
     check_backend,
@@ -836,6 +837,8 @@ class AddLayerNorm(_ResidualMixin, BackendMixin, nn.LayerNorm):
     """
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if isinstance(x, Proxy) or isinstance(residual, Proxy):
+            return fx_leaf(self, x, residual)
         return add_layer_norm(x, residual, self.normalized_shape, self.weight, self.bias,
                               self.eps, residual_in_fp32=self.residual_in_fp32,
                               backend=self.backend)
@@ -866,6 +869,8 @@ class AddRMSNorm(_ResidualMixin, BackendMixin, nn.RMSNorm):
     """
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if isinstance(x, Proxy) or isinstance(residual, Proxy):
+            return fx_leaf(self, x, residual)
         return add_rms_norm(x, residual, self.normalized_shape, self.weight, self.eps,
                             residual_in_fp32=self.residual_in_fp32, backend=self.backend)
 
@@ -1673,6 +1678,8 @@ class _BatchNormActForward(_BatchNormForward):
         return text if self.memory == "standard" else f"{text}, memory={self.memory!r}"
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         self._check_input_dim(input)
         running_mean, running_var, use_batch_stats, factor = self._step_arguments()
         return batch_norm_act(
@@ -1765,6 +1772,8 @@ class GroupNormAct(BackendMixin, TorchGroupNorm):
         return text
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         check_channels(self, input, self.num_channels)
         return group_norm_act(input, self.num_groups, self.weight, self.bias, self.eps,
                               act=self.act, negative_slope=self.negative_slope,

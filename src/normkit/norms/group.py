@@ -6,9 +6,10 @@ import inspect
 import warnings
 
 from torch import Tensor, nn
+from torch.fx import Proxy
 
 from .. import functional as F
-from ._base import BackendMixin
+from ._base import BackendMixin, fx_leaf
 from ._core import check_channels, check_floating, shape_str
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
@@ -72,6 +73,8 @@ class GroupNorm(BackendMixin, TorchGroupNorm):
     """
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         check_channels(self, input, self.num_channels)
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
                             backend=self.backend)
@@ -113,6 +116,8 @@ class _InstanceNormForward(BackendMixin):
     _spatial: int = 0
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         name = type(self).__name__
         check_floating(input, name)
         batched = self._spatial + 2

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.fx import Proxy
 
 from .. import functional as F
-from ._base import BackendMixin
+from ._base import BackendMixin, fx_leaf
 from ._core import check_channels
 
 __all__ = ["LayerNorm", "RMSNorm", "LayerNorm2d"]
@@ -40,6 +41,8 @@ class LayerNorm(BackendMixin, nn.LayerNorm):
     """
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps,
                             backend=self.backend)
 
@@ -72,6 +75,8 @@ class RMSNorm(BackendMixin, nn.RMSNorm):
     """
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         return F.rms_norm(input, self.normalized_shape, self.weight, self.eps,
                           backend=self.backend)
 
@@ -117,5 +122,7 @@ class LayerNorm2d(BackendMixin, nn.LayerNorm):
         return self.normalized_shape[0]
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         check_channels(self, input, self.num_channels)
         return F.layer_norm2d(input, self.weight, self.bias, self.eps, backend=self.backend)

@@ -15,9 +15,10 @@ import numbers
 
 import torch
 from torch import Tensor, nn
+from torch.fx import Proxy
 
 from .. import _stats
-from ._base import NotScriptable
+from ._base import NotScriptable, fx_leaf
 from ._core import check_backend, check_floating, shape_str
 
 __all__ = ["MeanOnlyBatchNorm1d", "MeanOnlyBatchNorm2d", "reference_mean_only"]
@@ -153,6 +154,8 @@ class _MeanOnlyBatchNorm(NotScriptable, nn.Module):
             )
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         self._check_input_dim(input)
         view = (1, self.num_features) + (1,) * (input.dim() - 2)  # broadcast per channel
         bias = None if self.bias is None else self.bias.view(view)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.fx import Proxy
 
 from .. import _stats
 from .. import functional as F
 from .._surgery import replace_modules
+from ._base import fx_leaf
 from .batch import (
     BatchNorm,
     BatchNorm1d,
@@ -199,6 +201,8 @@ class SyncBatchNorm(_BatchNormForward, nn.SyncBatchNorm):
         return convert_sync_batchnorm(module, process_group)
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, Proxy):
+            return fx_leaf(self, input)
         self._check_input_dim(input)
         running_mean, running_var, use_batch_stats, factor = self._step_arguments()
         group = _group_or_world(self.process_group)
