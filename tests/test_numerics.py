@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import assert_close, assert_grad_close, reference_forward
 
+import normkit
+
 # small inputs through normkit's fused rows node, not torch's composite (conftest.py)
 pytestmark = pytest.mark.usefixtures("fused_rows_node")
 
@@ -805,3 +807,34 @@ def test_16bit_nchw_layer_norm2d(dtype, offset, needs, monkeypatch, spy):
             first64[:2], direction, strict=True)), inputs64[:2])
         for got, want in zip(second, second64, strict=True):
             assert_grad_close(got, want, dtype, "second derivative")
+
+
+def test_well_conditioned_decides_one_group_on_the_host_as_the_kernels_do():
+    """A single group's check (a one-row LayerNorm: batch-1 inference, a decoding step)
+    reads the two statistics back instead of running three kernels: the same verdict on
+    every value, NaN and inf included (both send the input to the compensated path)."""
+    from normkit.kernels.native import well_conditioned
+
+    inf, nan = float("inf"), float("nan")
+    means = [0.0, 1.0, -3.0, 31.9, 32.0, 32.1, -1e4, inf, -inf, nan]
+    rstds = [0.0, 0.5, 1.0, 2.0, inf, nan]
+    for m in means:
+        for r in rstds:
+            one = well_conditioned(torch.tensor([[m]]), torch.tensor([[r]]), 32.0)
+            kernels = well_conditioned(torch.tensor([m, 0.0]), torch.tensor([r, 1.0]), 32.0)
+            assert one == kernels, (m, r)
+    mean = torch.tensor([2.0], requires_grad=True)
+    assert well_conditioned(mean * 1.0, torch.tensor([1.0]), 32.0)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e5], ids=["torch-kernel", "compensated"])
+def test_one_row_layer_norm_keeps_both_paths(offset):
+    """One row takes torch's kernel where accurate (bitwise its output) and the
+    compensated path at an offset (within the float32 tolerance of float64)."""
+    x = (torch.randn(1, 1, 96, dtype=torch.float64) * 3 + offset).float()
+    ln = normkit.LayerNorm(96)
+    y = ln(x)
+    assert_close(y, torch.nn.functional.layer_norm(x.double(), (96,), ln.weight.double(),
+                                                   ln.bias.double()), torch.float32)
+    if offset == 0.0:
+        assert torch.equal(y, torch.nn.functional.layer_norm(x, (96,), ln.weight, ln.bias))
