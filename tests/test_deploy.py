@@ -143,6 +143,19 @@ def test_exported_program_holds_only_aten_operators(case, training):
     assert_close(_first(program.module()(*new)), _first(eager(*new)), torch.float32)
 
 
+@pytest.mark.parametrize("name", ["LayerNorm", "BatchNorm2d", "GroupNorm", "LayerNorm2d",
+                                  "AddLayerNorm", "BatchNormAct2d", "InstanceNorm2d"])
+def test_exported_program_takes_any_batch_size(name):
+    """A dynamic batch dimension: the reference math has no size baked in."""
+    eager = _module(name).eval()
+    args = _inputs(name, 0, 0.0)
+    batch = torch.export.Dim("batch", min=2, max=64)
+    program = torch.export.export(copy.deepcopy(eager), args,
+                                  dynamic_shapes=tuple({0: batch} for _ in args))
+    larger = tuple(torch.cat([a, a[:2] * 2 + 1e3]) for a in args)
+    assert_close(_first(program.module()(*larger)), _first(eager(*larger)), torch.float32)
+
+
 def test_compile_keeps_the_registered_operators():
     """(The converse: torch.compile, which runs in this process, keeps normkit's operators,
     the eager paths' speed.)"""
