@@ -187,3 +187,27 @@ def test_auto_picks_triton_on_cuda_for_row_norms_only(monkeypatch):
     assert F._torch_kernels("auto", OnCuda())
     assert not F._torch_kernels("auto", OnCpu()) and not F._torch_kernels("eager", OnCuda())
     assert F._torch_kernels("auto", torch.empty(2, device="meta"))  # any device but the CPU
+
+
+def test_auto_keeps_triton_launches_out_of_traced_and_exported_graphs(monkeypatch):
+    """torch.compile keeps the Triton kernels (registered operators); a torch.jit.trace
+    graph cannot hold a launch and an exported program must run without normkit, so
+    there a CUDA input takes torch's own kernels (``_torch_kernels``)."""
+    import normkit.functional as F
+    from normkit.norms import _core
+
+    class OnCuda:
+        is_cuda, is_cpu = True, False
+
+    monkeypatch.setattr(tk, "available", lambda: True)
+    assert F._use_triton("auto", OnCuda(), lambda: True, "layer_norm")  # eager
+    monkeypatch.setattr(_core.torch.compiler, "is_compiling", lambda: True)
+    assert F._use_triton("auto", OnCuda(), lambda: True, "layer_norm")  # torch.compile
+    monkeypatch.setattr(_core, "_exporting", lambda: True)
+    assert not F._use_triton("auto", OnCuda(), lambda: True, "layer_norm")  # torch.export
+    assert F._torch_kernels("auto", OnCuda())
+    monkeypatch.setattr(_core, "_exporting", lambda: False)
+    monkeypatch.setattr(_core.torch.compiler, "is_compiling", lambda: False)
+    monkeypatch.setattr(_core, "_tracing", lambda: True)
+    assert not F._use_triton("auto", OnCuda(), lambda: True, "layer_norm")  # jit.trace
+    assert F._use_triton("triton", OnCuda(), lambda: True, "layer_norm")  # asked for
