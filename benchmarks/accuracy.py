@@ -23,9 +23,17 @@ output, input-gradient and weight-gradient errors of torch.nn and normkit (relat
 largest reference value, as the tests measure gradients) by shape, parameter dtype and
 offset.
 
+``--second-order`` measures second derivatives (``create_graph=True``) of inference
+BatchNorm + activation on float16/bfloat16 input, as the differential fuzz takes them
+(``tests/test_dispatch_fuzz.py``): torch.nn's BatchNorm2d then the activation beside
+normkit's BatchNormAct2d, each against float64 on the same input, over random cases; the
+error relative to the fuzz's scale (the reference's largest magnitude, at least 1 and at
+least the square root of the terms a parameter's derivative sums). What it shows sets
+the tests' 16-bit tolerance for second derivatives (``tests/oracle.py``).
+
 Run: ``python benchmarks/accuracy.py [--json FILE]``, ``python benchmarks/accuracy.py
---counts``, ``python benchmarks/accuracy.py --backward-counts`` or ``python
-benchmarks/accuracy.py --sixteen-bit``
+--counts``, ``python benchmarks/accuracy.py --backward-counts``, ``python
+benchmarks/accuracy.py --sixteen-bit`` or ``python benchmarks/accuracy.py --second-order``
 """
 
 from __future__ import annotations
@@ -293,6 +301,98 @@ def counts_markdown(rows: list[dict]) -> str:
                    ("torch, same values NCHW", "torch_nchw", ".1e")], rows)
 
 
+class _Act(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+#: Cases per dtype, parameter dtype and activation in ``--second-order``.
+SECOND_ORDER_CASES = 100
+
+
+def _second_derivatives(forward, params: list[torch.Tensor], x: torch.Tensor
+                        ) -> list[torch.Tensor]:
+    """The fuzz's double backward: first derivatives of ``forward(x)`` against a fixed
+    upstream gradient (``create_graph=True``), then the derivatives of their sum against
+    fixed directions, for the input and every parameter, in float64."""
+    leaf = x.detach().requires_grad_()
+    out = forward(leaf)
+    gen = torch.Generator().manual_seed(11)
+    dy = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    wrt = [leaf, *params]
+    first = torch.autograd.grad(out, wrt, dy, create_graph=True)
+    gen = torch.Generator().manual_seed(12)
+    directions = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in wrt]
+    total = sum((g.double() * v).sum() for g, v in zip(first, directions, strict=True))
+    return [h.double() for h in torch.autograd.grad(total, wrt)]
+
+
+def second_order(cases: int = SECOND_ORDER_CASES) -> list[dict]:
+    """Second-derivative errors of inference BatchNorm + activation on 16-bit input, torch
+    beside normkit, each case's worst of input, weight and bias relative to the fuzz's
+    scale; the median, 99th percentile and maximum over ``cases`` random cases (1 to 4
+    samples of 8 channels, 2x2 to 8x8 positions, data within 2 std of the running
+    statistics)."""
+    activations = {"silu": nn.functional.silu, "gelu": nn.functional.gelu,
+                   "elu": nn.functional.elu}
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for params in ("float32", "same"):
+            pdtype = torch.float32 if params == "float32" else dtype
+            for act, act_fn in activations.items():
+                errors = {"torch": [], "normkit": []}
+                for seed in range(cases):
+                    gen = torch.Generator().manual_seed(seed)
+                    n, size = (int(torch.randint(lo, hi, (1,), generator=gen))
+                               for lo, hi in ((1, 5), (2, 9)))
+                    x = (torch.randn(n, 8, size, size, generator=gen, dtype=torch.float64)
+                         * 1.5 + 0.5).to(dtype)
+                    ours = normkit.BatchNormAct2d(8, act=act).eval()
+                    with torch.no_grad():
+                        ours.weight.copy_(torch.rand(8, generator=gen) + 0.5)
+                        ours.bias.copy_(torch.randn(8, generator=gen) * 0.3)
+                        ours.running_mean.copy_(torch.randn(8, generator=gen) * 0.5)
+                        ours.running_var.copy_(torch.rand(8, generator=gen) + 0.5)
+                    theirs, exact = nn.BatchNorm2d(8).eval(), nn.BatchNorm2d(8).eval()
+                    theirs.load_state_dict(ours.state_dict())
+                    exact.load_state_dict(ours.state_dict())
+                    ours, theirs, exact = ours.to(pdtype), theirs.to(pdtype), exact.double()
+                    reference = _second_derivatives(nn.Sequential(exact, _Act(act_fn)),
+                                                    [exact.weight, exact.bias], x.double())
+                    terms = (1, n * size * size, n * size * size)
+                    for who, forward, module in (
+                            ("torch", nn.Sequential(theirs, _Act(act_fn)), theirs),
+                            ("normkit", ours, ours)):
+                        got = _second_derivatives(forward, [module.weight, module.bias], x)
+                        errors[who].append(max(
+                            float((h - h64).abs().max())
+                            / max(1.0, float(h64.abs().max()), t ** 0.5)
+                            for h, h64, t in zip(got, reference, terms, strict=True)))
+                row = {"dtype": str(dtype).removeprefix("torch."), "params": params,
+                       "act": act, "cases": cases}
+                for who, values in errors.items():
+                    values.sort()
+                    row[who + "_median"] = values[len(values) // 2]
+                    row[who + "_p99"] = values[min(len(values) - 1, int(len(values) * 0.99))]
+                    row[who + "_max"] = values[-1]
+                rows.append(row)
+    return rows
+
+
+def second_order_markdown(rows: list[dict]) -> str:
+    return _table([("input", "dtype", ""), ("parameters", "params", ""), ("act", "act", ""),
+                   ("cases", "cases", "d"),
+                   ("torch median", "torch_median", ".1e"), ("torch p99", "torch_p99", ".1e"),
+                   ("torch max", "torch_max", ".1e"),
+                   ("normkit median", "normkit_median", ".1e"),
+                   ("normkit p99", "normkit_p99", ".1e"),
+                   ("normkit max", "normkit_max", ".1e")], rows)
+
+
 def markdown(rows: list[dict]) -> str:
     return _table([("shape", "shape", ""), ("layer", "layer", ""), ("offset", "offset", "g"),
                    ("normkit max error", "normkit", ".1e"),
@@ -311,9 +411,16 @@ def main() -> None:
                         help="channels-last BatchNorm gradient error by values per channel")
     parser.add_argument("--sixteen-bit", action="store_true",
                         help="float16/bfloat16 input: torch.nn and normkit against float64")
+    parser.add_argument("--second-order", action="store_true",
+                        help="16-bit second derivatives of inference BatchNorm + activation")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.sixteen_bit:
+    if args.second_order:
+        _emit(second_order(), second_order_markdown, args.json,
+              f"torch {torch.__version__}, inference BatchNorm2d + activation, second "
+              "derivatives of input, weight and bias (each case's worst) relative to the "
+              "differential fuzz's scale, 1 thread")
+    elif args.sixteen_bit:
         _emit(sixteen_bit(args.seed), sixteen_bit_markdown, args.json,
               f"torch {torch.__version__}, training mode, 1 thread; output: max absolute "
               "error, gradients: max error relative to the largest reference magnitude (at "

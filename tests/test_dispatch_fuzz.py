@@ -164,30 +164,68 @@ def _randomize(module, gen):
             module.running_var.copy_(torch.rand(module.running_var.shape, generator=gen) + 0.5)
 
 
+class _TorchActivation(torch.nn.Module):
+    """torch's own activation of a normkit BatchNormAct module (same name, slope, alpha)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.name, self.slope, self.alpha = module.act, module.negative_slope, module.alpha
+
+    def forward(self, y):
+        fn = torch.nn.functional
+        if self.name == "leaky_relu":
+            return fn.leaky_relu(y, self.slope)
+        if self.name == "elu":
+            return fn.elu(y, self.alpha)
+        return y if self.name == "identity" else getattr(fn, self.name)(y)
+
+
 def _params64(module):
     return {name: p.detach().double().requires_grad_() for name, p in module.named_parameters()}
 
 
-def _check_grad(actual, expected, dtype, what, terms=1):
+def _check_grad(actual, expected, dtype, what, terms=1, torch_error=None):
     """oracle.assert_grad_close's bound, relative to the largest reference value -- or,
     for a parameter's gradient, a sum of ``terms`` products of O(1) values, to
     ``sqrt(terms)``, the size such a sum has before it cancels (a float32 sum of 65520
-    terms that cancel to -0.84 is off by ~3e-4 in torch's kernels as in any other)."""
+    terms that cancel to -0.84 is off by ~3e-4 in torch's kernels as in any other).
+    ``torch_error``: how far torch's own layers computing the same are from ``expected``
+    on this case; up to :data:`TORCH_ERROR_SLACK` times that passes too (see
+    :func:`_run_second_order`)."""
     scale = max(1.0, float(expected.abs().max()), terms ** 0.5) if expected.numel() else 1.0
     err = float((actual.double() - expected).abs().max()) if expected.numel() else 0.0
-    assert err <= GRAD_TOL[dtype] * scale, f"{what}: max error {err:.3e} (scale {scale:.3e})"
+    bound = GRAD_TOL[dtype] * scale
+    if torch_error is not None:
+        bound = max(bound, TORCH_ERROR_SLACK * torch_error)
+    assert err <= bound, (f"{what}: max error {err:.3e} (scale {scale:.3e}"
+                          + ("" if torch_error is None else f", torch's {torch_error:.3e}")
+                          + ")")
 
 
-def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None, order=1):
+#: A second derivative may be this many times as far from float64 as torch's own layers'
+#: on the same case. Products of several O(1) factors (upstream gradient, direction,
+#: ``(weight * rstd)^2``, the activation's second derivative) are rounded to 16 bits in
+#: the first derivatives, so 16-bit second derivatives are off by more than the
+#: first-order tolerance in torch as in normkit: inference BatchNorm + SiLU in bfloat16
+#: reaches 0.24 of the fuzz's scale, 30 times the dtype's epsilon, with torch's layers and
+#: with normkit's alike (``python benchmarks/accuracy.py --second-order``;
+#: benchmarks/ACCURACY.md, "Second derivatives in 16 bits"); float32 loses ~2e-4 of the
+#: weight's second derivative at 40 std from the running statistics (xhat^2 ~1600).
+TORCH_ERROR_SLACK = 1.5
+
+
+def _run(module, x, reference, params64, dtype, what, inputs=None, extra=None, order=1,
+         twin=None):
     """Forward and backward of ``module`` against ``reference(x64, params64)``; both take
     the same upstream gradient. ``inputs`` are the tensors fed to the module (default
     ``(x,)``); ``reference`` receives their float64 copies. ``order=2`` checks the
-    second derivatives instead (:func:`_run_second_order`)."""
+    second derivatives instead (:func:`_run_second_order`; ``twin``: torch's layers
+    computing the same, for the second derivatives' bound)."""
     inputs = (x,) if inputs is None else inputs
     _set_backend(module)
     what = f"{what} backend {_BACKEND['name']}"
     if order == 2:
-        _run_second_order(module, inputs, reference, params64, dtype, what)
+        _run_second_order(module, inputs, reference, params64, dtype, what, twin)
         return
     leaves, outs, leaves64, refs, grads = _forward_both(module, inputs, reference, params64)
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
@@ -220,21 +258,43 @@ def _forward_both(module, inputs, reference, params64):
     return leaves, outs, leaves64, refs, grads
 
 
-def _run_second_order(module, inputs, reference, params64, dtype, what):
+def _second_derivatives(outs, wrt, grads, directions):
+    """The first derivatives of ``outs`` (against ``grads``, ``create_graph=True``), and
+    the derivatives of ``sum(first * directions)`` with respect to ``wrt``."""
+    first = torch.autograd.grad(outs, wrt, [g.to(o.dtype) for o, g in zip(outs, grads,
+                                                                          strict=True)],
+                                create_graph=True, allow_unused=True)
+    total = sum((g.double() * v).sum() for g, v in zip(first, directions, strict=True)
+                if g is not None and g.requires_grad)
+    second = (torch.autograd.grad(total, wrt, allow_unused=True)
+              if torch.is_tensor(total) and total.requires_grad else [None] * len(wrt))
+    return first, second
+
+
+def _run_second_order(module, inputs, reference, params64, dtype, what, twin=None):
     """Double backward (``create_graph=True``, as gradient penalties and meta-learning
     use it): the first derivatives ``g`` of the outputs against ``dy``, then the
     derivatives of ``sum(g * v)`` for fixed directions ``v``, of ``module`` against the
-    float64 reference, every input and parameter."""
+    float64 reference, every input and parameter. With ``twin`` (torch's layers computing
+    the same, in the same dtypes, its parameters in ``module``'s order) a second
+    derivative passes also within :data:`TORCH_ERROR_SLACK` times torch's own error on
+    the case: in 16 bits (and in float32 far from the running statistics) these products
+    lose more than the first-order tolerance in torch's layers as in normkit's."""
     names = [name for name, _ in module.named_parameters()]
     params = [p for _, p in module.named_parameters()]
     leaves, outs, leaves64, refs, grads = _forward_both(module, inputs, reference, params64)
     wrt, wrt64 = leaves + params, leaves64 + [params64[name] for name in names]
-    first = torch.autograd.grad(outs, wrt, [g.to(o.dtype) for o, g in zip(outs, grads,
-                                                                          strict=True)],
-                                create_graph=True, allow_unused=True)
-    first64 = torch.autograd.grad(refs, wrt64, grads, create_graph=True, allow_unused=True)
     gen = torch.Generator().manual_seed(12)
     directions = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in wrt64]
+    first, second = _second_derivatives(outs, wrt, grads, directions)
+    first64, second64 = _second_derivatives(refs, wrt64, grads, directions)
+    torch_second = [None] * len(wrt)
+    if twin is not None:
+        twin_leaves = [t.detach().requires_grad_() for t in inputs]
+        twin_out = twin(*twin_leaves)
+        twin_outs = twin_out if isinstance(twin_out, tuple) else (twin_out,)
+        torch_second = _second_derivatives(twin_outs, twin_leaves + list(twin.parameters()),
+                                           grads, directions)[1]
     labels = [f"input {i}" for i in range(len(leaves))] + names
     # a parameter's gradient sums over every position it scales: the size such a sum
     # has before it cancels (see _check_grad)
@@ -243,24 +303,20 @@ def _run_second_order(module, inputs, reference, params64, dtype, what):
         assert (g is None) == (g64 is None), f"{what}: first derivative of {label}"
         if g is not None:
             _check_grad(g.detach(), g64.detach(), dtype, f"{what} {label} grad", terms=n)
-    total = sum((g.double() * v).sum() for g, v in zip(first, directions, strict=True)
-                if g is not None and g.requires_grad)
-    total64 = sum((g * v).sum() for g, v in zip(first64, directions, strict=True)
-                  if g is not None and g.requires_grad)
-    second = (torch.autograd.grad(total, wrt, allow_unused=True)
-              if torch.is_tensor(total) and total.requires_grad else [None] * len(wrt))
-    second64 = (torch.autograd.grad(total64, wrt64, allow_unused=True)
-                if torch.is_tensor(total64) and total64.requires_grad else [None] * len(wrt))
-    for h, h64, t, t64, label, n in zip(second, second64, wrt, wrt64, labels, terms,
-                                        strict=True):
+    for h, h64, ht, t, t64, label, n in zip(second, second64, torch_second, wrt, wrt64,
+                                            labels, terms, strict=True):
         h = torch.zeros_like(t64) if h is None else h
         h64 = torch.zeros_like(t64) if h64 is None else h64
         # (a group of a few nearly equal values has second derivatives past float16's
         # range, ~8e4 over 3 channels: a float16 gradient holds inf there, as it must)
         beyond = h64.abs() > torch.finfo(t.dtype).max
         assert bool(h[beyond].isinf().all()), f"{what} {label} second derivative"
+        torch_error = None
+        if twin is not None:
+            ht = torch.zeros_like(t64) if ht is None else ht.double()
+            torch_error = float((ht - h64).masked_fill(beyond, 0).abs().max())
         _check_grad(h.masked_fill(beyond, 0), h64.masked_fill(beyond, 0), dtype,
-                    f"{what} {label} second derivative", terms=n)
+                    f"{what} {label} second derivative", terms=n, torch_error=torch_error)
 
 
 def _settings():
@@ -371,11 +427,6 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data, order=1):
         training = kind in ("batch_norm", "batch_norm_act")
         if training and n * shape[2] * shape[3] == 1:
             return  # one value per channel: torch's error case (test_bad_input covers it)
-        if order == 2 and kind == "batch_norm_act_eval" and ratio > 2.6:
-            # data far from the running statistics: the activation's second derivative
-            # enters times xhat^2 (~1600 at 40 std), so float32 loses ~2e-4 of the weight's
-            # second derivative -- torch's BatchNorm2d + SiLU bitwise as normkit
-            return
         act = data.draw(st.sampled_from(ACTS)) if kind.startswith("batch_norm_act") else None
         memory = "standard"
         if act in ("leaky_relu", "elu", "identity") and order == 1:
@@ -418,7 +469,15 @@ def _image_case(batch, ratio, dtype, n_threads, seed, data, order=1):
                                        rtol=rtol, atol=rtol * (1 + ratio * ratio),
                                        msg=lambda m: f"{what}: {m}")
 
-        _run(module, x, reference, _params64(module), dtype, what, extra=running, order=order)
+        twin = None
+        if order == 2:  # torch's BatchNorm2d (then the activation), same state and dtypes
+            twin = torch.nn.BatchNorm2d(c, affine=module.affine).to(param_dtype)
+            twin.load_state_dict(module.state_dict())
+            twin.train(training)
+            if act is not None:
+                twin = torch.nn.Sequential(twin, _TorchActivation(module))
+        _run(module, x, reference, _params64(module), dtype, what, extra=running, order=order,
+             twin=twin)
         return
     kw = _affine_kwargs(kind, data.draw(AFFINE))
     if kind == "instance_norm":
