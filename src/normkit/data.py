@@ -340,7 +340,8 @@ class Standardizer(NotScriptable, nn.Module):
     def _resolve_dims(self, x: Tensor, who: str, where: str) -> tuple[int, ...]:
         """``feature_dims`` as sorted non-negative dims of ``x``."""
         ndim = x.dim()
-        need = max((d + 1 if d >= 0 else -d for d in self.feature_dims), default=0)
+        need = max([0, *(d + 1 if d >= 0 else -d for d in self.feature_dims)])  # (no
+        # default=: torch.compile cannot trace that keyword of the builtin)
         if ndim < need:
             raise ValueError(
                 f"{who} with feature_dims={self.feature_dims} expected an input with at "
