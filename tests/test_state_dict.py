@@ -68,3 +68,48 @@ def test_whole_model_swap_keeps_outputs():
         model.train(mode), twin.train(mode)
         torch.testing.assert_close(twin(x), model(x), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(twin[1].running_mean, model[1].running_mean)
+
+
+#: Every public layer class, with constructor arguments.
+_DEFERRED = {
+    "BatchNorm2d": lambda: normkit.BatchNorm2d(5),
+    "BatchNormAct2d": lambda: normkit.BatchNormAct2d(5, act="silu"),
+    "BatchRenorm2d": lambda: normkit.BatchRenorm2d(5),
+    "MeanOnlyBatchNorm2d": lambda: normkit.MeanOnlyBatchNorm2d(5),
+    "FrozenBatchNorm2d": lambda: normkit.FrozenBatchNorm2d(5),
+    "SyncBatchNorm": lambda: normkit.SyncBatchNorm(5),
+    "InstanceNorm2d": lambda: normkit.InstanceNorm2d(5, affine=True, track_running_stats=True),
+    "GroupNorm": lambda: normkit.GroupNorm(1, 5),
+    "GroupNormAct": lambda: normkit.GroupNormAct(1, 5, act="silu"),
+    "LayerNorm": lambda: normkit.LayerNorm(5),
+    "LayerNorm2d": lambda: normkit.LayerNorm2d(5),
+    "RMSNorm": lambda: normkit.RMSNorm(5),
+    "AddLayerNorm": lambda: normkit.AddLayerNorm(5),
+    "AddRMSNorm": lambda: normkit.AddRMSNorm(5),
+    "LayerNormLSTMCell": lambda: normkit.LayerNormLSTMCell(5, 3),
+    "LayerNormLSTM": lambda: normkit.LayerNormLSTM(5, 3, num_layers=2),
+}
+
+
+@pytest.mark.parametrize("name", list(_DEFERRED))
+def test_deferred_init_on_meta_then_reset_parameters_equals_the_constructor(name):
+    """A model built on the ``meta`` device, moved with ``to_empty`` and initialised by
+    calling ``reset_parameters`` on every module that has one (as FSDP's deferred
+    initialization does) holds what the constructor gives: no buffer keeps the
+    uninitialised memory."""
+    with torch.device("meta"):
+        module = _DEFERRED[name]()
+    module = module.to_empty(device="cpu")
+    with torch.no_grad():  # what to_empty may hand out
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.fill_(7)
+    torch.manual_seed(0)
+    for sub in module.modules():
+        if hasattr(sub, "reset_parameters"):
+            sub.reset_parameters()
+    torch.manual_seed(0)
+    want = _DEFERRED[name]().state_dict()
+    got = module.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{name}: {key} after reset_parameters"

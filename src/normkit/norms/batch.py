@@ -203,10 +203,32 @@ class FrozenBatchNorm(NotScriptable, nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.eps = eps
-        self.register_buffer("weight", torch.ones(num_features, **kw))
-        self.register_buffer("bias", torch.zeros(num_features, **kw))
-        self.register_buffer("running_mean", torch.zeros(num_features, **kw))
-        self.register_buffer("running_var", torch.ones(num_features, **kw))
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            self.register_buffer(name, torch.empty(num_features, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Make the layer the identity again: ``weight`` 1, ``bias`` 0, running mean 0 and
+        running variance 1, as the constructor sets them.
+
+        Deferred initialization calls it (a model built on the ``meta`` device, then
+        ``to_empty`` and ``reset_parameters`` on each module, as FSDP does): without it
+        the buffers would keep whatever memory ``to_empty`` handed out.
+
+        Example:
+            >>> import torch, normkit
+            >>> with torch.device("meta"):
+            ...     frozen = normkit.FrozenBatchNorm2d(3)
+            >>> frozen = frozen.to_empty(device="cpu")
+            >>> frozen.reset_parameters()
+            >>> frozen.running_var.tolist(), frozen.bias.tolist()
+            ([1.0, 1.0, 1.0], [0.0, 0.0, 0.0])
+        """
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            self.bias.zero_()
+            self.running_mean.zero_()
+            self.running_var.fill_(1.0)
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}"
