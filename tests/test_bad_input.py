@@ -120,3 +120,36 @@ def test_batch_renorm_without_running_statistics_says_why(cls):
              normkit.BatchRenorm3d: (2, 4, 2, 3, 3)}[cls]
     with pytest.raises(RuntimeError, match="running statistics.*removed"):
         module(torch.randn(shape))
+
+
+def _lazy_model():
+    return torch.nn.Sequential(torch.nn.LazyConv2d(8, 3), torch.nn.LazyBatchNorm2d(),
+                               torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.LazyLinear(4))
+
+
+LAZY_TOOLS = {
+    "patch": (normkit.patch, "'0' (LazyConv2d)"),
+    "freeze_batchnorm": (normkit.freeze_batchnorm, "'0' (LazyConv2d)"),
+    "convert_sync_batchnorm": (normkit.convert_sync_batchnorm, "'0' (LazyConv2d)"),
+    "convert_norms": (lambda m: normkit.convert_norms(m, "group_norm"), "'0' (LazyConv2d)"),
+    "fold_batchnorm": (normkit.fold_batchnorm, "'0' (LazyConv2d)"),
+    "init_norms_": (normkit.init_norms_, "'1' (LazyBatchNorm2d)"),  # only the norms matter
+    "weight_norm": (lambda m: normkit.weight_norm(m[4]), "LazyLinear.weight"),
+}
+
+
+@pytest.mark.parametrize("tool", list(LAZY_TOOLS))
+def test_a_lazy_module_not_yet_initialized_gets_a_clear_error_and_works_after_a_forward(tool):
+    """torch's lazy modules hold placeholders until their first forward pass; every tool
+    says so, naming the module, instead of torch's error from deep inside a copy."""
+    call, where = LAZY_TOOLS[tool]
+    model = _lazy_model()
+    with pytest.raises(ValueError, match=r"lazy module") as error:
+        call(model)
+    assert where in str(error.value) and f"then call {tool}" in str(error.value)
+    model(torch.randn(2, 3, 6, 6))  # the lazy modules become Conv2d, BatchNorm2d, Linear
+    with torch.no_grad():
+        model[1].running_var.add_(0.5)  # not the identity, so that folding changes weights
+    if tool == "fold_batchnorm":
+        model.eval()
+    call(model)

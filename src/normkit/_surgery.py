@@ -7,18 +7,46 @@ from collections.abc import Callable
 
 from torch import nn
 
-__all__ = ["replace_modules"]
+__all__ = ["check_initialized", "replace_modules"]
+
+
+def check_initialized(model: nn.Module, tool: str, named=None) -> None:
+    """Raise a ValueError naming the first lazy module of ``model`` not yet initialized.
+
+    ``named`` restricts the check to these ``(qualified name, module)`` pairs (default:
+    ``model.named_modules()``).
+
+    A lazy module (``nn.LazyLinear``, ``nn.LazyBatchNorm2d``, ...) holds placeholder
+    parameters until its first forward pass, and nothing can copy, convert or fold it
+    before then (torch's own ``copy.deepcopy`` fails deep inside).
+
+    Example:
+        >>> from torch import nn
+        >>> check_initialized(nn.Sequential(nn.LazyLinear(3)), "patch")
+        Traceback (most recent call last):
+        ...
+        ValueError: patch expected a model whose lazy modules are initialized, got '0'...
+    """
+    for name, module in model.named_modules() if named is None else named:
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if any(isinstance(t, nn.parameter.UninitializedTensorMixin) for t in tensors):
+            raise ValueError(
+                f"{tool} expected a model whose lazy modules are initialized, got "
+                f"'{name or '(the model itself)'}' ({type(module).__name__}) with "
+                "uninitialized parameters: run one forward pass on a real batch first (a "
+                f"lazy module takes its sizes from it), then call {tool}")
 
 
 def replace_modules(model: nn.Module, match: Callable[..., bool],
                     build: Callable[..., nn.Module], what: str, *,
-                    with_names: bool = False) -> nn.Module:
+                    with_names: bool = False, tool: str = "this tool") -> nn.Module:
     """Return a deep copy of ``model`` where every module ``match`` accepts is ``build(it)``.
 
     The caller's model is never modified. The root itself may match. With
     ``with_names=True``, ``match`` and ``build`` receive ``(qualified_name, module)``
     (``""`` for the root). Raises a ValueError naming ``what`` when nothing matches, so
-    "nothing to convert" is never silent.
+    "nothing to convert" is never silent, and one naming ``tool`` for a lazy module not
+    yet initialized (:func:`check_initialized`).
 
     Example:
         >>> from torch import nn
@@ -31,6 +59,7 @@ def replace_modules(model: nn.Module, match: Callable[..., bool],
     def call(fn, name, module):
         return fn(name, module) if with_names else fn(module)
 
+    check_initialized(model, tool)
     model = copy.deepcopy(model)
     if call(match, "", model):
         return call(build, "", model)

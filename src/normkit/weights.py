@@ -350,6 +350,11 @@ def weight_norm(module: nn.Module, name: str = "weight", dim: int | None = 0, *,
             f"{who} expected {_type_name(module)} to have a parameter named {name!r}, got "
             f"none{extra}; its parameters are: {', '.join(available) or '(none)'}"
         )
+    if isinstance(param, nn.parameter.UninitializedParameter):
+        raise ValueError(
+            f"{who} expected {_type_name(module)}.{name} to be initialized, got the "
+            f"placeholder of a lazy module: run one forward pass on a real batch first (a "
+            f"lazy module takes its sizes from it), then call {who}")
     _check_dim(dim, param.dim(), who)
     parametrize.register_parametrization(module, name, WeightNorm(dim, backend=backend),
                                          unsafe=True)

@@ -277,7 +277,8 @@ def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:
     def match(module):
         return _is_plain_batchnorm(module) and not isinstance(module, SyncBatchNorm)
 
-    return replace_modules(model, match, build, "BatchNorm layers")
+    return replace_modules(model, match, build, "BatchNorm layers",
+                           tool="convert_sync_batchnorm")
 
 
 def revert_sync_batchnorm(model: nn.Module, cls: type[nn.Module] = BatchNorm) -> nn.Module:
@@ -305,4 +306,4 @@ def revert_sync_batchnorm(model: nn.Module, cls: type[nn.Module] = BatchNorm) ->
         return _transfer(sync, bn)
 
     return replace_modules(model, lambda m: isinstance(m, nn.SyncBatchNorm), build,
-                           "SyncBatchNorm layers")
+                           "SyncBatchNorm layers", tool="revert_sync_batchnorm")

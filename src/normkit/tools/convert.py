@@ -203,7 +203,8 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
         return target.train(source.training)
 
     what = "normalization layers" + ("" if where is None else " selected by where")
-    return replace_modules(model, match, build, what, with_names=True)
+    return replace_modules(model, match, build, what, with_names=True,
+                          tool="convert_norms")
 
 
 def _retype(module: nn.Module, cls: type, add_normkit: bool) -> nn.Module:
@@ -237,7 +238,7 @@ def patch(model: nn.Module) -> nn.Module:
     """
     return replace_modules(model, lambda m: type(m) in _DROP_INS,
                            lambda m: _retype(m, _DROP_INS[type(m)], True),
-                           "torch.nn normalization layers to patch")
+                           "torch.nn normalization layers to patch", tool="patch")
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -263,4 +264,4 @@ def unpatch(model: nn.Module) -> nn.Module:
                       "running_var from their next training step on", stacklevel=2)
     return replace_modules(model, lambda m: type(m) in _TORCH_OF,
                            lambda m: _retype(m, _TORCH_OF[type(m)], False),
-                           "normkit drop-in layers to unpatch")
+                           "normkit drop-in layers to unpatch", tool="unpatch")

@@ -36,6 +36,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
+from .._surgery import check_initialized
 from ..norms.batch import FrozenBatchNorm, _BatchNormForward, _BatchRenormForward
 from ..norms.mean_only import _MeanOnlyBatchNorm
 from ..norms.sync import SyncBatchNorm
@@ -665,6 +666,7 @@ def _recorded_flow(model: nn.Module, args: tuple) -> _Flow:
 
 
 def _copy(model: nn.Module) -> nn.Module:
+    check_initialized(model, "fold_batchnorm")
     try:
         return copy.deepcopy(model)
     except Exception as error:

@@ -46,7 +46,7 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
         return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
     return replace_modules(model, match, lambda bn: _frozen_class(bn).from_batchnorm(bn),
-                           "BatchNorm layers")
+                           "BatchNorm layers", tool="freeze_batchnorm")
 
 
 def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
@@ -63,4 +63,5 @@ def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
         'BatchNorm2d'
     """
     return replace_modules(model, lambda m: isinstance(m, FrozenBatchNorm),
-                           lambda frozen: frozen.to_batchnorm(), "FrozenBatchNorm layers")
+                           lambda frozen: frozen.to_batchnorm(), "FrozenBatchNorm layers",
+                           tool="unfreeze_batchnorm")

@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._surgery import check_initialized
 from .convert import is_norm_layer
 
 __all__ = ["init_norms_"]
@@ -145,6 +146,7 @@ def init_norms_(model: nn.Module, weight: float = 1.0, bias: float = 0.0,
         warnings.warn(f"init_norms_: {type(model).__name__} holds no normalization layer; "
                       "nothing was changed", stacklevel=2)
         return {}
+    check_initialized(model, "init_norms_", norms)
     before_relu = _followed_by_relu(model) if bias_before_relu is not None else set()
     residual = _residual_branch_ends(model) if zero_init_residual else set()
     done = {}
