@@ -592,6 +592,50 @@ def test_cli_argument_errors(capsys, argv, message):
     assert message in _usage_error(capsys, *argv)
 
 
+def test_cli_output_files_are_checked_before_anything_is_measured(tmp_path, capsys,
+                                                                   monkeypatch):
+    """An output that cannot be written, or that would overwrite another output or one of
+    the command's input runs, is a usage error at once -- not a traceback after the whole
+    bench has run, its measurements lost."""
+    monkeypatch.setattr(cli, "run", lambda *a, **k: pytest.fail("measured before the check"))
+    kept = tmp_path / "before.json"
+    kept.write_text("{}")
+    cases = [
+        (["--json", str(tmp_path / "no-such-folder" / "b.json")],
+         f"--json expected a file it can write, got '{tmp_path}/no-such-folder/b.json': "
+         f"its folder '{tmp_path}/no-such-folder' does not exist"),
+        (["--markdown", str(tmp_path)], "it is a folder"),
+        (["--json", str(tmp_path / "b.out"), "--markdown", str(tmp_path / "b.out")],
+         "--json and --markdown name the same file"),
+        (["--compare", str(kept), "--to", str(kept), "--markdown", str(kept)],
+         "--markdown expected a file other than this command's inputs"),
+    ]
+    for extra, message in cases:
+        assert message in _usage_error(capsys, "layer_norm", "--shapes", "4x8", *extra)
+    assert kept.read_text() == "{}"
+
+
+def test_cli_output_files_are_replaced_whole(tmp_path, capsys, monkeypatch):
+    """A failure while writing (a full disk) leaves the user's old file as it was."""
+    from normkit import _files
+
+    json_path = tmp_path / "bench.json"
+    json_path.write_text("old run\n")
+    real_fdopen = os.fdopen
+
+    def failing_fdopen(fd, *args, **kwargs):
+        handle = real_fdopen(fd, *args, **kwargs)
+        handle.write = lambda text: (_ for _ in ()).throw(OSError(28, "No space left"))
+        return handle
+
+    monkeypatch.setattr(_files.os, "fdopen", failing_fdopen)
+    with pytest.raises(OSError, match="No space left"):
+        cli.main(["rms_norm", "--shapes", "4x8", "--repeats", "1", "--min-time", "0",
+                  "--copy-mib", "1", "--quiet", "--json", str(json_path)])
+    assert json_path.read_text() == "old run\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temporary left
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_cli_cuda_without_a_gpu_is_a_usage_error(capsys):
     assert "torch.cuda.is_available() is False" in _usage_error(capsys, "--device", "cuda")

@@ -531,6 +531,9 @@ def test_cli_exit_2_on_an_import_failure(cli_runs):
     (["doctor_models:healthy_cnn"], "one of the arguments --input-shape --batch is required"),
     (["doctor_models:healthy_cnn", "--input-shape", "2,3", "--architecture", "vit"],
      "invalid choice: 'vit'"),
+    (["doctor_models:healthy_cnn", "--input-shape", "2,3", "--json", "no_such_dir/r.json"],
+     "--json expected a file it can write, got 'no_such_dir/r.json': its folder "
+     "'no_such_dir' does not exist"),
 ])
 def test_cli_usage_errors_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.chdir(TESTS)

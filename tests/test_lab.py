@@ -224,6 +224,13 @@ def test_cli_usage_errors_say_what_was_expected(tmp_path):
     assert code == 2 and "expected a normkit lab output folder with manifest.json" in err
     code, _, err = _cli("--profile", "huge")
     assert code == 2 and "invalid choice: 'huge'" in err
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for out in (a_file, a_file / "sub"):  # before any run starts, the file untouched
+        code, _, err = _cli("run", "invariances", "--profile", "tiny", "--out", str(out))
+        assert code == 2 and "--out expected an output folder it can write" in err, err
+        assert "is a file, not a folder" in err
+    assert a_file.read_text() == "mine"
 
 
 def test_cli_run_writes_report_and_resumes(tmp_path):

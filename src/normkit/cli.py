@@ -22,6 +22,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ._files import unwritable_reason, write_text_atomic
+
 __all__ = ["main", "doctor_main"]
 
 
@@ -165,14 +167,15 @@ def doctor_main(argv: Sequence[str] | None = None, *, prog: str = "normkit docto
             parser.error(f"--input-shape: {exc}")
     if args.eval:
         model.eval()
+    if args.json not in (None, "-") and (reason := unwritable_reason(args.json)) is not None:
+        parser.error(f"--json expected a file it can write, got {args.json!r}: {reason}")
     report = doctor_tool.doctor(model, batch, architecture=args.architecture)
     if args.json == "-":
         print(report.to_json())
     else:
         doctor_tool.print_report(report)
         if args.json is not None:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                handle.write(report.to_json() + "\n")
+            write_text_atomic(args.json, report.to_json() + "\n")
     return 0 if report.ok else 1
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shlex
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 
+from .._files import unwritable_reason, write_text_atomic
 from . import compare
 from .ops import EXTERNALS, OPS, SHAPE_SETS, get_op, op_names
 from .report import to_json, to_markdown
@@ -63,6 +65,30 @@ def _positive(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
+
+
+def _check_outputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """A usage error, before anything is measured, for an output file that cannot be
+    written or that would overwrite another output or an input of this command."""
+    outputs = [(option, path) for option, path in (("--json", args.json),
+                                                   ("--markdown", args.markdown))
+               if path is not None and path != "-"]
+    for option, path in outputs:
+        reason = unwritable_reason(path)
+        if reason is not None:
+            parser.error(f"{option} expected a file it can write, got {path!r}: {reason}")
+    inputs = {os.path.realpath(path)
+              for path in [*(args.summarize or ()), *(args.compare or ()), *(args.to or ())]}
+    written: dict[str, str] = {}
+    for option, path in outputs:
+        real = os.path.realpath(path)
+        if real in inputs:
+            parser.error(f"{option} expected a file other than this command's inputs, got "
+                         f"{path!r}, one of them: writing it would overwrite that run")
+        if real in written:
+            parser.error(f"{written[real]} and {option} name the same file {path!r}: one "
+                         "would overwrite the other")
+        written[real] = option
 
 
 def _load_runs(paths: Sequence[str], option: str,
@@ -268,11 +294,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
     if args.compare or args.to:
         if not args.compare:
             parser.error("--to needs --compare BEFORE.json ...: the runs before the change")
+        _check_outputs(args, parser)
         text = _compare(args.compare, args.to, args.changed_only, parser)
         print(text, end="")
         if args.markdown is not None:
-            with open(args.markdown, "w", encoding="utf-8") as handle:
-                handle.write(text)
+            write_text_atomic(args.markdown, text)
         return 0
     for name in args.ops:
         try:
@@ -296,6 +322,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
     if not cases:
         reasons = "; ".join(f"{item['op']}: {item['reason']}" for item in skipped)
         parser.error(f"nothing to run with --shapes {args.shapes!r}: {reasons}")
+    _check_outputs(args, parser)
     command = " ".join([prog, shlex.join(args_list)]).strip()
     with _Progress(not args.quiet) as progress, _sigterm_interrupts():
         doc = run(config, command=command, progress=progress)
@@ -306,11 +333,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
     else:
         print(markdown, end="")
         if args.json is not None:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                handle.write(to_json(doc) + "\n")
+            write_text_atomic(args.json, to_json(doc) + "\n")
     if args.markdown is not None:
-        with open(args.markdown, "w", encoding="utf-8") as handle:
-            handle.write(markdown)
+        write_text_atomic(args.markdown, markdown)
     if doc.get("interrupted"):
         print(f"normkit bench: interrupted {doc['interrupted']}; the passes measured so far "
               "were written", file=sys.stderr)

@@ -32,6 +32,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from .._files import unwritable_folder_reason
+
 __all__ = ["main", "build_parser"]
 
 _EPILOG = """\
@@ -179,6 +181,10 @@ def _run(experiments, args, parser, manifest_extra=None, title="normkit lab repo
     from .report import write_report
     from .runner import Distributed, run_plan
 
+    reason = unwritable_folder_reason(args.out)
+    if reason is not None:
+        parser.error(f"--out expected an output folder it can write, got {args.out!r}: "
+                     f"{reason}")
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
     try:

@@ -42,6 +42,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._files import write_text_atomic
 from .core import ARTICLE_BN_LN, ARTICLE_NORM, Analysis, Experiment
 from .store import ResultStore, read_manifest
 from .verdict import (
@@ -492,7 +493,7 @@ def write_report(out_dir: str | os.PathLike, names: list[str] | None = None,
             path.write_bytes(b.png)
             figures.append(path)
     md_path, html_path = out / "report.md", out / "report.html"
-    md_path.write_text(render_markdown(blocks), encoding="utf-8")
-    html_path.write_text(render_html(blocks, title), encoding="utf-8")
+    write_text_atomic(md_path, render_markdown(blocks))
+    write_text_atomic(html_path, render_html(blocks, title))
     return ReportResult(md_path, html_path, figures, problems,
                         [c for _, c in _claims_of(sections)])

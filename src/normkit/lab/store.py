@@ -26,11 +26,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from .._files import write_text_atomic
 
 __all__ = ["RESULTS", "MANIFEST", "ResultStore", "sanitize", "read_manifest",
            "update_manifest", "deterministic_view"]
@@ -67,23 +68,6 @@ def deterministic_view(record: dict) -> dict:
         {'run_id': 'a', 'result': {}}
     """
     return {k: v for k, v in record.items() if k != "timing"}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class ResultStore:
@@ -146,7 +130,7 @@ class ResultStore:
         """Replace ``results.jsonl`` by ``records`` (atomically) and drop the rank parts."""
         text = "".join(json.dumps(sanitize(r), sort_keys=True, allow_nan=False) + "\n"
                        for r in records)
-        _write_atomic(self.dir / RESULTS, text)
+        write_text_atomic(self.dir / RESULTS, text)
         for part in self.dir.glob("results.rank*.jsonl"):
             part.unlink()
 
@@ -170,6 +154,6 @@ def update_manifest(out_dir: str | os.PathLike, entries: dict[str, dict]) -> dic
     manifest = read_manifest(out_dir)
     experiments = manifest.setdefault("experiments", {})
     experiments.update(sanitize(entries))
-    _write_atomic(Path(out_dir) / MANIFEST,
+    write_text_atomic(Path(out_dir) / MANIFEST,
                   json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
