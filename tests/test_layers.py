@@ -128,6 +128,44 @@ def test_running_statistics_follow_torch(case, momentum):
     torch.testing.assert_close(nk(x), tm(x), atol=2e-5, rtol=2e-5)
 
 
+#: BatchNorm-like layers and the torch layer whose running-statistics rule each follows.
+_LATE_FLAG = {
+    "BatchNorm2d": (lambda nk: nk.BatchNorm2d(3), torch.nn.BatchNorm2d),
+    "BatchNormAct2d": (lambda nk: nk.BatchNormAct2d(3, act="identity"), torch.nn.BatchNorm2d),
+    "SyncBatchNorm": (lambda nk: nk.SyncBatchNorm(3), torch.nn.BatchNorm2d),
+    "BatchRenorm2d": (lambda nk: nk.BatchRenorm2d(3), torch.nn.BatchNorm2d),
+    "MeanOnlyBatchNorm2d": (lambda nk: nk.MeanOnlyBatchNorm2d(3), torch.nn.BatchNorm2d),
+    "InstanceNorm2d": (lambda nk: nk.InstanceNorm2d(3, track_running_stats=True),
+                       torch.nn.InstanceNorm2d),
+}
+
+
+@pytest.mark.parametrize("name", list(_LATE_FLAG))
+def test_track_running_stats_turned_off_after_construction_follows_torch(name):
+    """Fine-tuning and test-time adaptation code sets ``track_running_stats = False`` on
+    a built layer to stop its running statistics moving: torch's BatchNorm then stops
+    updating them (and still uses them in eval); torch's InstanceNorm keeps updating
+    them. Each normkit layer does what its torch counterpart does."""
+    import normkit
+
+    make, torch_cls = _LATE_FLAG[name]
+    nk, tm = make(normkit), torch_cls(3, track_running_stats=True)
+    x = torch.randn(4, 3, 5, 5) * 2 + 1
+    nk.train()(x), tm.train()(x)  # running statistics away from their initial values
+    for m in (nk, tm):
+        m.track_running_stats = False
+    before = {k: v.clone() for k, v in nk.state_dict().items()}
+    torch_before = tm.running_mean.clone()
+    nk(x * 3 + 2), tm(x * 3 + 2)
+    torch_moved = not torch.equal(torch_before, tm.running_mean)
+    moved = not torch.equal(before["running_mean"], nk.running_mean)
+    assert moved == torch_moved, f"{name}: running_mean moved {moved}, torch's {torch_moved}"
+    if not moved:
+        assert all(torch.equal(v, nk.state_dict()[k]) for k, v in before.items())
+        y = nk.eval()(x)  # eval still normalizes with the running statistics
+        assert not torch.allclose(y.mean((0, 2, 3)), torch.zeros(3), atol=1e-3)
+
+
 def test_batchnorm_without_running_stats_uses_batch_stats_in_eval():
     import normkit
     nk, tm = normkit.BatchNorm2d(3, track_running_stats=False), torch.nn.BatchNorm2d(

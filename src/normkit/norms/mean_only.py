@@ -170,7 +170,9 @@ class _MeanOnlyBatchNorm(NotScriptable, nn.Module):
             y, mean = reference_mean_only(input, dims, bias)
         else:
             y, mean = _MeanOnlyFunction.apply(input, bias, dims)
-        if self.training and self.running_mean is not None:
+        # as torch's BatchNorm: setting track_running_stats=False after construction stops
+        # the updates (the buffers stay and serve eval)
+        if self.training and self.track_running_stats and self.running_mean is not None:
             self.num_batches_tracked.add_(1)
             factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                       else self.momentum)
