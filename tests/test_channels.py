@@ -676,3 +676,4 @@ def test_batch_norm_backward_sums_of_small_samples_in_one_call(monkeypatch, bloc
     wantx = (dy.double() * (x.double() - mean.double().view(1, 6, 1, 1))).sum((0, 2, 3))
     torch.testing.assert_close(s1.double().sum(0), want1, rtol=1e-6, atol=1e-4)
     torch.testing.assert_close(sx.double().sum(0), wantx, rtol=1e-6, atol=1e-4)
+

@@ -7,6 +7,8 @@ import torch
 from cases import CASE_IDS, CASES, DTYPES, LAYOUTS, float64_twin, make_input, memory_format_of
 from oracle import assert_close, assert_grad_close, reference_forward
 
+import normkit
+
 # small inputs through normkit's fused rows node, not torch's composite (conftest.py)
 pytestmark = pytest.mark.usefixtures("fused_rows_node")
 
@@ -174,3 +176,48 @@ def test_batchnorm_without_running_stats_uses_batch_stats_in_eval():
     x = torch.randn(4, 3, 5, 5) * 3 + 2
     torch.testing.assert_close(nk(x), tm(x))
     assert nk.running_mean is None and "running_mean" not in nk.state_dict()
+
+
+_FROZEN_INPUT_LAYERS = {  # (below and from GROUP_NORM_MIN_POSITIONS: torch's kernels, engine)
+    "GroupNorm": lambda c: normkit.GroupNorm(2, c),
+    "GroupNormAct": lambda c: normkit.GroupNormAct(2, c, act="silu"),
+    "InstanceNorm": lambda c: normkit.InstanceNorm2d(c, affine=True),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(3, 4, 5, 5), (2, 4, 24, 24), (2, 4, 3, 4, 5)],
+                         ids=["small", "engine", "5d"])
+@pytest.mark.parametrize("name", list(_FROZEN_INPUT_LAYERS))
+def test_channels_last_input_without_a_gradient_under_trainable_parameters(name, shape, dtype,
+                                                                           compiled):
+    """A channels-last input that needs no gradient (image data into a first layer, a
+    frozen backbone under trainable norms) with a weight and bias that do: torch's CPU
+    GroupNorm backward kernel crashes the process there (segmentation fault, torch 2.13;
+    ``nn.GroupNorm`` itself does), so normkit asks it for the input gradient too
+    (``native.group_norm_backward``). The parameter gradients match float64."""
+    if name == "InstanceNorm" and len(shape) == 5:
+        pytest.skip("InstanceNorm2d takes 4D input")
+    if compiled and dtype != torch.float32:
+        pytest.skip("one dtype under torch.compile (compile time)")
+    module = _FROZEN_INPUT_LAYERS[name](shape[1]).to(dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)).to(dtype))
+    layout = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+         * 2 + 3).to(dtype).contiguous(memory_format=layout)
+    run = torch.compile(module, backend="aot_eager", fullgraph=True) if compiled else module
+    y = run(x)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    y.backward(dy.to(dtype))
+    params64 = [p.detach().double().requires_grad_() for p in module.parameters()]
+    groups = shape[1] if name == "InstanceNorm" else 2
+    # (NCHW: torch's own GroupNorm would crash on the channels-last float64 copy)
+    ref = torch.nn.functional.group_norm(x.double().contiguous(), groups, *params64)
+    if name == "GroupNormAct":
+        ref = torch.nn.functional.silu(ref)
+    ref.backward(dy)
+    for (pname, p), p64 in zip(module.named_parameters(), params64, strict=True):
+        assert_grad_close(p.grad, p64.grad, dtype, f"{name} {pname} grad")

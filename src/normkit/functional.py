@@ -748,8 +748,7 @@ def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
     if kernel:
         n, c = x.shape[:2]
         w, b = native.kernel_params(x, (c,), weight, bias)  # (float32 statistics)
-        y, mean, rstd = torch.native_group_norm(x, w, b, n, c, x.shape[2:].numel(), groups,
-                                                eps)
+        y, mean, rstd = native.group_norm_kernel(x, w, b, groups, eps)
         return y if native.well_conditioned(mean, rstd, channels.RATIO) else None
     if not many or not channels.supports(x, weight, bias):
         return None

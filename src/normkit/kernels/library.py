@@ -234,7 +234,7 @@ def _group_norm_backward(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias
     accurate = native.well_conditioned(mean, rstd, _group_bound(x))
     layout = _layout(x)
     if accurate and (x.is_contiguous() or positions < channels.GROUP_NORM_MIN_POSITIONS):
-        grads = torch.ops.aten.native_group_norm_backward(
+        grads = native.group_norm_backward(
             dy.contiguous(memory_format=layout), x, mean, rstd, weight, n, c, positions,
             num_groups, mask)
     elif accurate and channels.supports(x, weight, bias):

@@ -552,6 +552,53 @@ def weight_for_bias(weight: Tensor | None, bias: Tensor | None) -> Tensor | None
     return torch.ones_like(bias) if weight is None and bias is not None else weight
 
 
+def group_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+                        weight: Tensor | None, n: int, c: int, hxw: int, groups: int,
+                        mask: list[bool]) -> tuple[Tensor | None, Tensor | None,
+                                                   Tensor | None]:
+    """torch's ``native_group_norm_backward``, safe on channels-last CPU input.
+
+    torch's CPU kernel for channels-last input crashes the process (a segmentation
+    fault, torch 2.13) when the input's gradient is not asked for (``mask[0]`` False
+    with a parameter gradient asked): the GroupNorm's input does not require a gradient
+    -- a first layer on image data, a frozen backbone under trainable norms -- while its
+    weight or bias does. torch's own ``nn.GroupNorm`` crashes there. So on the CPU every
+    input that is not plain contiguous asks for the input gradient too and drops it.
+
+    Example:
+        >>> x = torch.randn(2, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+        >>> y, mean, rstd = torch.native_group_norm(x, torch.ones(4), None, 2, 4, 9, 2, 1e-5)
+        >>> dx, dw, db = group_norm_backward(torch.ones_like(y), x, mean, rstd,
+        ...                                  torch.ones(4), 2, 4, 9, 2, [False, True, True])
+        >>> dx is None, dw.shape, db.tolist()
+        (True, torch.Size([4]), [18.0, 18.0, 18.0, 18.0])
+    """
+    if mask[0] or not (mask[1] or mask[2]) or x.device.type != "cpu" or x.is_contiguous():
+        return tuple(_ATEN.native_group_norm_backward(dy, x, mean, rstd, weight, n, c, hxw,
+                                                      groups, mask))
+    _, dw, db = _ATEN.native_group_norm_backward(dy, x, mean, rstd, weight, n, c, hxw,
+                                                 groups, [True, mask[1], mask[2]])
+    return None, dw, db
+
+
+def group_norm_backward_crashes(x: Tensor, weight: Tensor | None,
+                                bias: Tensor | None) -> bool:
+    """Whether torch's own autograd of ``native_group_norm`` on ``x`` would reach the
+    crash :func:`group_norm_backward` avoids: grad mode, a CPU input that is not plain
+    contiguous and needs no gradient, and a weight or bias that does.
+
+    Example:
+        >>> x = torch.randn(2, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+        >>> group_norm_backward_crashes(x, torch.ones(4, requires_grad=True), None)
+        True
+        >>> group_norm_backward_crashes(x.contiguous(), torch.ones(4, requires_grad=True), None)
+        False
+    """
+    return (torch.is_grad_enabled() and x.device.type == "cpu" and not x.requires_grad
+            and not x.is_contiguous()
+            and any(t is not None and t.requires_grad for t in (weight, bias)))
+
+
 def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, groups: int,
                       eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """``torch.native_group_norm`` of ``(N, C, *)`` input: ``(y, mean, rstd)``. 16-bit input
@@ -573,8 +620,9 @@ def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, gro
     n, c = x.shape[:2]
     hxw = x.shape[2:].numel()
     blocks = None if x.dtype in _HALF else _group_norm_blocks(x, weight, bias, groups, eps)
-    if blocks is None and (x.dtype not in _HALF or not torch.is_grad_enabled() or not any(
-            t is not None and t.requires_grad for t in (x, weight, bias))):
+    if blocks is None and not group_norm_backward_crashes(x, weight, bias) and (
+            x.dtype not in _HALF or not torch.is_grad_enabled() or not any(
+                t is not None and t.requires_grad for t in (x, weight, bias))):
         return torch.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
     if blocks is not None:
         y, mean, rstd = blocks
@@ -590,8 +638,7 @@ def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, gro
             dy, x, mean, rstd, weight, bias, groups, mask)
         if blocked is not None:
             return blocked
-        return tuple(_ATEN.native_group_norm_backward(dy, x, mean, rstd, weight, n, c, hxw,
-                                                      groups, mask))
+        return group_norm_backward(dy, x, mean, rstd, weight, n, c, hxw, groups, mask)
 
     def reference(x, weight, bias):  # torch's GroupNorm, in float32 for 16-bit x
         if x.dtype not in _HALF:
@@ -678,9 +725,8 @@ def _group_norm_backward_blocks(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tenso
     dws, dbs = [], []
     for block in sample_blocks(x):
         xb = x[block]
-        d, pw, pb = _ATEN.native_group_norm_backward(dy[block], xb, mean[block], rstd[block],
-                                                     weight, xb.shape[0], c, hxw, groups,
-                                                     mask)
+        d, pw, pb = group_norm_backward(dy[block], xb, mean[block], rstd[block], weight,
+                                        xb.shape[0], c, hxw, groups, mask)
         dx[block].copy_(d)
         dws.append(pw)
         dbs.append(pb)

@@ -1423,8 +1423,8 @@ def _group_norm_act_backward_blocks(dz: Tensor, x: Tensor, z: Tensor | None,
         xb = x[block]
         dyb = act.backward(dz[block], None if z is None else z[block],
                            None if y is None else y[block])
-        d, pw, pb = _ATEN.native_group_norm_backward(dyb, xb, mean[block], rstd[block], w,
-                                                     xb.shape[0], c, hxw, groups, mask)
+        d, pw, pb = native.group_norm_backward(dyb, xb, mean[block], rstd[block], w,
+                                               xb.shape[0], c, hxw, groups, mask)
         if dx is not None:
             dx[block].copy_(d)
         dws.append(pw)
@@ -1497,7 +1497,7 @@ class _GroupNormActFunction(torch.autograd.Function):
             if ctx.path in ("native", "native-nchw"):
                 layout = F._channels_last_format(x) if ctx.path == "native" else None
                 w = native.kernel_params(x, (c,), weight, bias)[0]  # (as the forward's)
-                grads = _param_dtypes(_ATEN.native_group_norm_backward(
+                grads = _param_dtypes(native.group_norm_backward(
                     dy.contiguous(memory_format=layout or torch.contiguous_format),
                     x if layout else x.contiguous(), mean, rstd, w, n, c,
                     x.numel() // (n * c), groups, mask), weight, bias)
