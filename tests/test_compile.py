@@ -363,3 +363,37 @@ def test_batch_norm_operators_pass_opcheck_on_every_path(monkeypatch):
         _, hi, lo, rstd, _ = torch.ops.normkit.batch_norm_train(x, w, b, 1e-5)
         opcheck(torch.ops.normkit.batch_norm_train_backward.default,
                 (dy, x, hi, lo, rstd, w, 1e-5, [True, True, False]))
+
+
+_IMAGE_LAYERS = {
+    "BatchNorm2d": lambda: normkit.BatchNorm2d(4),
+    "BatchNormAct2d": lambda: normkit.BatchNormAct2d(4, act="silu"),
+    "BatchRenorm2d": lambda: normkit.BatchRenorm2d(4),
+    "FrozenBatchNorm2d": lambda: normkit.FrozenBatchNorm2d(4),
+    "MeanOnlyBatchNorm2d": lambda: normkit.MeanOnlyBatchNorm2d(4),
+    "GroupNorm": lambda: normkit.GroupNorm(2, 4),
+    "GroupNormAct": lambda: normkit.GroupNormAct(2, 4, act="silu"),
+    "InstanceNorm2d": lambda: normkit.InstanceNorm2d(4, affine=True),
+    "LayerNorm2d": lambda: normkit.LayerNorm2d(4),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("name", list(_IMAGE_LAYERS))
+def test_fullgraph_compile_across_image_sizes(name, layout, grad):
+    """Images of several sizes through one compiled layer (detection and segmentation
+    inference, multi-scale training): from the second size on Dynamo compiles with
+    symbolic sizes and strides, and nothing in the layer may need concrete ones (sorting
+    strides to choose a reduction did: a graph break on channels-last input without a
+    gradient). Outputs equal eager at every size."""
+    torch._dynamo.reset()
+    eager = _IMAGE_LAYERS[name]().train()
+    compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, backend="aot_eager")
+    for step, (n, size) in enumerate([(2, 5), (3, 7), (2, 9)]):
+        x = torch.randn(n, 4, size, size + 1, generator=torch.Generator().manual_seed(step))
+        if layout == "channels_last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.set_grad_enabled(grad):
+            want, got = eager(x), compiled(x)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -144,10 +144,12 @@ def _reduces_innermost(x: Tensor, dims: tuple[int, ...]) -> bool:
 
 
 def _mean_of_squares(x: Tensor, dims: tuple[int, ...]) -> Tensor:
-    if (torch.is_grad_enabled() and x.requires_grad) or torch.jit.is_tracing():
+    if ((torch.is_grad_enabled() and x.requires_grad) or torch.jit.is_tracing()
+            or torch.compiler.is_compiling()):
         # differentiable everywhere (the norm's gradient is 0/0 at a zero vector); a
         # torch.jit.trace graph may run with or without a gradient, whichever it was
-        # traced under
+        # traced under; under torch.compile the choice below is Inductor's to make (and
+        # sorting symbolic strides, with dynamic shapes, would break the graph)
         return (x * x).mean(dims, keepdim=True)
     if _reduces_innermost(x, dims):
         # rows: vector_norm reads x once with no temporary (3x faster than square + mean)
