@@ -31,6 +31,13 @@ BAD = {
                               ["running_mean", "None"]),
     "bn-weight-size": (lambda: F.batch_norm(torch.randn(2, 3), None, None, torch.ones(4),
                                             training=True), ["4 channels", "(2, 3)", "weight"]),
+    "ln-empty-normalized-shape": (lambda: normkit.LayerNorm(())(torch.randn(2, 4)),
+                                  ["at least one dimension", "normalized_shape=[]"]),
+    "rms-empty-normalized-shape": (lambda: F.rms_norm(torch.randn(2, 4), []),
+                                   ["at least one dimension", "normalized_shape=[]"]),
+    "add-ln-empty-normalized-shape": (
+        lambda: normkit.AddLayerNorm(())(torch.randn(2, 4), torch.randn(2, 4)),
+        ["add_layer_norm expected normalized_shape with at least one dimension"]),
     "ln-wrong-shape": (lambda: normkit.LayerNorm(5)(torch.randn(2, 4)),
                        ["(*, 5)", "(2, 4)"]),
     "ln-weight-shape": (lambda: F.layer_norm(torch.randn(2, 4), (4,), torch.ones(3)),

@@ -1,4 +1,5 @@
-"""torch's own module test samples (common_modules.module_db) through the normkit drop-ins."""
+"""torch's own test samples through the normkit drop-ins: the modules'
+(``common_modules.module_db``) and the functional forms' (``common_methods_invocations.op_db``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 import normkit
+import normkit.functional as F
 
 # small inputs through normkit's fused rows node, not torch's composite (conftest.py)
 pytestmark = pytest.mark.usefixtures("fused_rows_node")
@@ -79,3 +81,102 @@ def test_module_db_error_samples(info):
         with pytest.raises(err.error_type, match=err.error_regex):
             module = DROP_INS[info.module_cls.__name__](*ctor.args, **ctor.kwargs)
             module(*fwd.args, **fwd.kwargs)
+
+
+methods = pytest.importorskip("torch.testing._internal.common_methods_invocations")
+
+FUNCTIONAL = {"nn.functional.batch_norm": F.batch_norm, "nn.functional.layer_norm": F.layer_norm,
+              "nn.functional.group_norm": F.group_norm,
+              "nn.functional.instance_norm": F.instance_norm,
+              "nn.functional.rms_norm": F.rms_norm}
+OP_INFOS = [o for o in methods.op_db if o.name in FUNCTIONAL]
+
+
+def _sample_args(sample):
+    """Fresh leaves of a sample's input, arguments and keyword arguments (running
+    statistics are updated in place, so each side gets its own)."""
+    def fresh(t):
+        return t.detach().clone().requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+
+    return (fresh(sample.input), [fresh(a) for a in sample.args],
+            {k: fresh(v) for k, v in sample.kwargs.items()})
+
+
+def _double(args):
+    """A float64 copy of a sample's argument(s), without gradients."""
+    if isinstance(args, list):
+        return [_double(a) for a in args]
+    if isinstance(args, dict):
+        return {k: _double(v) for k, v in args.items()}
+    return args.detach().double() if torch.is_tensor(args) else args
+
+
+def _is_1d_batch_norm(name, x):
+    # normkit's documented difference: BatchNorm wants (N, C, *); torch's op_db also feeds
+    # a 1D empty tensor, which torch returns as it is
+    return name == "nn.functional.batch_norm" and x.dim() < 2
+
+
+def test_every_functional_norm_has_samples():
+    assert {o.name for o in OP_INFOS} == set(FUNCTIONAL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("info", OP_INFOS, ids=lambda o: f"{o.name}{o.variant_test_name}")
+def test_op_db_samples(info, dtype):
+    """Outputs, running statistics and every gradient equal torch's on each sample."""
+    from oracle import GRAD_TOL, TOL
+
+    count = 0
+    for sample in info.sample_inputs("cpu", dtype, requires_grad=True):
+        x_t, args_t, kwargs_t = _sample_args(sample)
+        x_n, args_n, kwargs_n = _sample_args(sample)
+        if _is_1d_batch_norm(info.name, x_n):
+            with pytest.raises(ValueError, match="at least 2 dimensions"):
+                FUNCTIONAL[info.name](x_n, *args_n, **kwargs_n)
+            continue
+        want = info.op(x_t, *args_t, **kwargs_t)
+        got = FUNCTIONAL[info.name](x_n, *args_n, **kwargs_n)
+        what = f"{info.name} on {tuple(x_n.shape)} {sample.kwargs}"
+        assert got.dtype == want.dtype, what
+        x_64, args_64, kwargs_64 = (_double(t) for t in _sample_args(sample))
+        ref = info.op(x_64, *args_64, **kwargs_64).detach()
+        # within the dtype's tolerance of float64, or no further from it than torch (x1.5:
+        # a 16-bit output rounds w * x_hat + b, whose terms can be far larger than it)
+        err, torch_err = (got.detach().double() - ref).abs(), (want.detach().double() - ref).abs()
+        bound = TOL[dtype]["atol"] + TOL[dtype]["rtol"] * ref.abs()
+        ok = (err <= torch.maximum(bound, 1.5 * torch_err)) | (err.isnan() & torch_err.isnan())
+        assert bool(ok.all()), f"{what}: error {float(err.max()):.3e} from float64"
+        for key, value in kwargs_n.items():
+            if torch.is_tensor(value):  # running statistics
+                torch.testing.assert_close(value.double(), kwargs_t[key].double(),
+                                           **TOL[dtype])
+        leaves_t = [t for t in (x_t, *args_t, *kwargs_t.values())
+                    if torch.is_tensor(t) and t.requires_grad]
+        leaves_n = [t for t in (x_n, *args_n, *kwargs_n.values())
+                    if torch.is_tensor(t) and t.requires_grad]
+        if want.requires_grad:
+            dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(count),
+                             dtype=torch.float64).to(dtype)
+            grads_t = torch.autograd.grad(want, leaves_t, dy, allow_unused=True)
+            grads_n = torch.autograd.grad(got, leaves_n, dy, allow_unused=True)
+            for g_n, g_t in zip(grads_n, grads_t, strict=True):
+                assert (g_n is None) == (g_t is None), what
+                if g_t is not None:
+                    scale = max(1.0, float(g_t.double().abs().max())) if g_t.numel() else 1.0
+                    err = float((g_n.double() - g_t.double()).abs().max()) if g_t.numel() else 0
+                    # (torch's own 16-bit gradients are the comparison here, not float64)
+                    assert err <= 4 * GRAD_TOL[dtype] * scale, f"{what}: grad error {err}"
+        count += 1
+    assert count
+
+
+@pytest.mark.parametrize("info", [o for o in OP_INFOS if o.error_inputs_func],
+                         ids=lambda o: o.name)
+def test_op_db_error_samples(info):
+    """Where torch raises, normkit raises too: a ValueError naming what was expected
+    (torch's RuntimeError where normkit leaves the check to torch)."""
+    for err in info.error_inputs("cpu"):
+        sample = err.sample_input
+        with pytest.raises((ValueError, err.error_type)):
+            FUNCTIONAL[info.name](sample.input, *sample.args, **sample.kwargs)

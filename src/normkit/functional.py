@@ -453,6 +453,9 @@ def _as_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
 def _check_trailing(x: Tensor, shape: tuple[int, ...], who: str,
                     **params: Tensor | None) -> None:
     check_floating(x, who)
+    if not shape:
+        raise ValueError(f"{who} expected normalized_shape with at least one dimension (the "
+                         f"trailing dims to normalize over), got normalized_shape=[]")
     if x.dim() < len(shape) or x.shape[x.dim() - len(shape):] != shape:
         raise ValueError(
             f"{who} expected input of shape (*, {', '.join(map(str, shape))}) to match "
