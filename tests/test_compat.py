@@ -45,3 +45,24 @@ def test_normkit_group_norms_take_bias_on_every_torch():
         assert "bias=False" in repr(layer)
         layer(torch.randn(2, 6, 3)).sum().backward()
         assert layer.weight.grad is not None
+
+
+def test_drop_in_signatures_read_like_torchs():
+    """``inspect.signature`` and ``help()`` show each drop-in's real constructor: torch's
+    parameters in torch's order, then normkit's keyword-only ones (its ``__init__``
+    methods take ``*args, **kwargs`` on to torch's); an instance keeps the call
+    signature torch's modules have."""
+    import inspect
+
+    from normkit.tools.convert import _DROP_INS
+
+    for torch_cls, nk_cls in _DROP_INS.items():
+        theirs = list(inspect.signature(torch_cls).parameters)
+        ours = inspect.signature(nk_cls).parameters
+        assert list(ours)[:len(theirs)] == theirs, nk_cls.__name__
+        assert "backend" in ours and ours["backend"].kind is inspect.Parameter.KEYWORD_ONLY
+        assert not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in ours.values())
+    assert "unbiased_running_var" in inspect.signature(normkit.BatchNorm2d).parameters
+    assert "residual_in_fp32" in inspect.signature(normkit.AddLayerNorm).parameters
+    layer = normkit.LayerNorm(4)
+    assert str(inspect.signature(layer)) == str(inspect.signature(torch.nn.LayerNorm(4)))

@@ -3,6 +3,9 @@ node in ``torch.fx`` graphs, and a clear answer to ``torch.jit.script``."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from torch import nn
 from torch.fx import Proxy
 
@@ -23,6 +26,48 @@ class NotScriptable:
         raise script_error(self)
 
 
+@functools.cache
+def constructor_signature(cls: type) -> inspect.Signature:
+    """The signature of ``cls(...)`` for a class whose ``__init__`` methods pass
+    ``*args, **kwargs`` up to a torch.nn parent: the parent's own parameters, then the
+    keyword-only ones each mixin adds (``backend``, ``unbiased_running_var``, ...).
+
+    Example:
+        >>> import normkit
+        >>> str(constructor_signature(normkit.GroupNorm))  # doctest: +ELLIPSIS
+        "(num_groups: int, num_channels: int, eps: float = 1e-05, affine: bool = True, ..."
+        >>> "backend" in constructor_signature(normkit.GroupNorm).parameters
+        True
+    """
+    params: list[inspect.Parameter] = []
+    added: list[inspect.Parameter] = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        own = list(inspect.signature(init).parameters.values())[1:]  # (without self)
+        if not any(p.kind is p.VAR_POSITIONAL for p in own):
+            params = own  # the first constructor that takes its arguments itself
+            break
+        added += [p for p in own if p.kind is p.KEYWORD_ONLY]
+    names = {p.name for p in params}
+    extra = [p for p in added if p.name not in names]
+    keep = [p for p in params if p.kind is not p.VAR_KEYWORD]
+    tail = [p for p in params if p.kind is p.VAR_KEYWORD]
+    return inspect.Signature(keep + extra + tail, return_annotation=None)
+
+
+class _ClassSignature:
+    """``cls.__signature__`` for :func:`inspect.signature` and ``help()``: the merged
+    constructor signature on the class; absent on instances, whose signature stays their
+    ``forward``'s."""
+
+    def __get__(self, instance, owner):
+        if instance is not None:
+            raise AttributeError("__signature__")
+        return constructor_signature(owner)
+
+
 class BackendMixin(NotScriptable):
     """Adds the keyword-only ``backend`` argument and attribute to a torch.nn norm.
 
@@ -30,6 +75,8 @@ class BackendMixin(NotScriptable):
     module (``module.backend = "reference"``). It is not part of the ``state_dict``:
     checkpoints stay interchangeable with torch.nn.
     """
+
+    __signature__ = _ClassSignature()
 
     def __init__(self, *args, backend: str = "auto", **kwargs) -> None:
         super().__init__(*args, **kwargs)
