@@ -10,6 +10,7 @@ import torch.nn.functional as TF
 
 import normkit
 import normkit.functional as F
+from normkit.norms import fused
 
 PAIRS = ["batch_norm", "instance_norm", "layer_norm", "rms_norm", "group_norm"]
 
@@ -946,3 +947,54 @@ def test_small_add_layer_norm_keeps_normkits_layer_norm(monkeypatch):
     assert_close(normed, normalize64(s, (1,)), torch.float32)
     monkeypatch.setattr(F, "SMALL_ROWS_COMPOSITE_BELOW", (0, 0))  # the fused node agrees
     torch.testing.assert_close(add_layer_norm(x, r, 32)[0], normed, rtol=0, atol=2e-6)
+
+
+_PER_CHANNEL = {
+    "batch_norm train": lambda x, w, b, rm, rv: F.batch_norm(x, rm, rv, w, b, training=True),
+    "batch_norm eval": lambda x, w, b, rm, rv: F.batch_norm(x, rm, rv, w, b, training=False),
+    "instance_norm": lambda x, w, b, rm, rv: F.instance_norm(x, weight=w, bias=b),
+    "group_norm": lambda x, w, b, rm, rv: F.group_norm(x, 4, w, b),
+    "layer_norm2d": lambda x, w, b, rm, rv: F.layer_norm2d(x, w, b),
+    "batch_norm_act train": lambda x, w, b, rm, rv: fused.batch_norm_act(
+        x, rm, rv, w, b, training=True, act="silu"),
+    "batch_norm_act inplace eval": lambda x, w, b, rm, rv: fused.batch_norm_act(
+        x, rm, rv, w, b, training=False, act="leaky_relu", memory="inplace"),
+    "group_norm_act": lambda x, w, b, rm, rv: fused.group_norm_act(
+        x, 4, w, b, act="silu"),
+}
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("shape", [(4, 8, 5, 6), (8, 8, 40, 40)], ids=["small", "large"])
+@pytest.mark.parametrize("name", list(_PER_CHANNEL))
+def test_strided_weight_and_bias(name, shape, layout):
+    """Per-channel weight and bias that are strided views (slices of a larger tensor, a
+    hypernetwork's output): torch's raw GroupNorm kernels read such a weight as dense
+    (wrong outputs) and its BatchNorm backward kernel on channels-last input does too
+    (a wrong input gradient, also through torch's own ``F.batch_norm``). Output, input
+    gradient and parameter gradients match float64."""
+    from oracle import assert_close, assert_grad_close
+
+    gen = torch.Generator().manual_seed(0)
+    c = shape[1]
+    x64 = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 1
+    packed = torch.randn(2 * c, 2, generator=gen, dtype=torch.float64)
+    packed[:, 0] = packed[:, 0].abs() + 0.5
+    rm, rv = torch.randn(c, generator=gen) * 0.2, torch.rand(c, generator=gen) + 0.5
+    x = x64.float()
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    source = packed.float().requires_grad_()
+    w, b = source[::2, 0], source[1::2, 1]  # strided views, gradients flow to `source`
+    assert not w.is_contiguous() and not b.is_contiguous()
+    x_ref, source_ref = x64.clone().requires_grad_(), packed.clone().requires_grad_()
+    y = _PER_CHANNEL[name](x, w, b, rm.clone(), rv.clone())
+    ref = _PER_CHANNEL[name](x_ref, source_ref[::2, 0].contiguous(),
+                             source_ref[1::2, 1].contiguous(), rm.double(), rv.double())
+    assert_close(y, ref.detach(), torch.float32, name)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    y.backward(dy.float())
+    ref.backward(dy)
+    assert_grad_close(x.grad, x_ref.grad, torch.float32, f"{name} input grad")
+    assert_grad_close(source.grad, source_ref.grad, torch.float32, f"{name} parameter grads")

@@ -168,6 +168,26 @@ def _check_per_channel(x: Tensor, who: str, **tensors: Tensor | None) -> None:
             )
 
 
+def _dense_params(weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor | None,
+                                                                       Tensor | None]:
+    """``weight`` and ``bias`` with contiguous storage (a differentiable copy where they are
+    strided views, e.g. slices of a hypernetwork's output): torch's raw GroupNorm kernels
+    (``torch.native_group_norm`` and its backward, which normkit calls directly; the
+    public ``F.group_norm`` copies first) read a strided weight as if it were dense, and
+    returned garbage (torch 2.13).
+
+    Example:
+        >>> w, b = _dense_params(torch.arange(8.0)[::2], None)
+        >>> w.is_contiguous(), w.tolist(), b
+        (True, [0.0, 2.0, 4.0, 6.0], None)
+    """
+    if weight is not None and not weight.is_contiguous():
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    return weight, bias
+
+
 def _reference(dims: tuple[int, ...], view: tuple[int, ...], eps: float):
     """``(x, weight, bias) -> y`` by the reference math (double backward of fast paths)."""
 
@@ -373,6 +393,7 @@ def instance_norm(
         )
     _check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
                        weight=weight, bias=bias)
+    weight, bias = _dense_params(weight, bias)
     view = _channel_view(input)
     if not use_input_stats:
         if running_mean is None or running_var is None:
@@ -682,6 +703,7 @@ def group_norm(
             f"({channels} channels)"
         )
     _check_per_channel(input, who, weight=weight, bias=bias)
+    weight, bias = _dense_params(weight, bias)
     # torch's rule (F.group_norm's _verify_batch_size), kept for parity: one value per
     # group, i.e. numel = N * G * (C / G) * HxW equal to G
     if input.numel() == num_groups:

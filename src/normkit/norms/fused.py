@@ -1243,6 +1243,7 @@ def batch_norm_act(
     F._check_channels_first(input, who)
     F._check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
                          weight=weight, bias=bias)
+    weight, bias = F._dense_params(weight, bias)
     if memory == "inplace" and check_backend(backend) == "triton":
         raise ValueError(f"{who} with memory='inplace' has no Triton kernel (its backward "
                          "recovers the input from the output); got backend='triton', use "
@@ -1574,6 +1575,7 @@ def group_norm_act(
         y = F.group_norm(input, num_groups, weight, bias, eps, backend=backend)  # or raises
         return _activate(activation, y, reference)
     F._check_per_channel(input, who, weight=weight, bias=bias)
+    weight, bias = F._dense_params(weight, bias)
     fused = act if act in ("silu", "identity") else None  # in the Triton kernel
     if F._use_triton(backend, input, lambda: tk.supports_group_norm(
             input, int(num_groups), weight, bias, act=fused), "group_norm"):
