@@ -19,6 +19,7 @@ from oracle import assert_close, assert_grad_close, channel_view, normalize64
 from torch import nn
 from torch.nn import functional as TF
 
+import normkit.functional as F
 from normkit.norms.fused import (
     ACTIVATIONS,
     INVERTIBLE_ACTIVATIONS,
@@ -782,7 +783,7 @@ def test_rms_forward_in_blocks_equals_the_whole_tensor_passes(dtype, affine, wit
         calls = []
         real = fused._rms_in_chunks
         monkeypatch.setattr(fused, "_rms_in_chunks",
-                            lambda *a: calls.append(1) or real(*a))
+                            lambda *a, **k: calls.append(1) or real(*a, **k))
         x = x0.clone().requires_grad_()
         r = r0.clone().requires_grad_() if with_residual else None
         wl = None if w is None else w.clone().requires_grad_()
@@ -1085,3 +1086,53 @@ def test_activation_as_taken_is_torchs_where_the_forward_agrees(name, kwargs):
     # (within rounding: alpha * exp(y) multiplies in another order than torch's kernel)
     torch.testing.assert_close(got.first, want.first, rtol=1e-14, atol=0.0)
     torch.testing.assert_close(got.second, want.second, rtol=1e-14, atol=0.0)
+
+
+
+@pytest.mark.parametrize("path", ["rows", "blocks", "compensated"])
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "add_layer_norm"])
+@pytest.mark.parametrize("shape", [(37, 50), (3, 11, 2, 25)], ids=["2d", "4d"])
+def test_fused_rows_output_can_be_changed_in_place(op, path, shape, monkeypatch):
+    """Scaling or activating a norm's output in place (``y.mul_(g)``, ``y.relu_()``) is
+    ordinary user code, and autograd refuses it on a custom Function's output that is a
+    view: the fused rows node returned its ``(M, K)`` result viewed back to the input's
+    shape (RMSNorm from 2^16 elements, add + RMSNorm, the compensated add + LayerNorm).
+    Every output is now allocated in its final shape; gradients through the in-place
+    change equal float64's."""
+    from normkit.norms import fused
+
+    if path == "compensated" and op != "add_layer_norm":
+        pytest.skip("RMSNorm has no compensated path")
+    k = shape[-1] if len(shape) == 2 else shape[-2] * shape[-1]
+    normalized = shape[-1:] if len(shape) == 2 else shape[-2:]
+    monkeypatch.setattr(fused, "RMS_CHUNK_BYTES", 3 * k * 4)
+    monkeypatch.setattr(fused, "RMS_CHUNK_MIN_BYTES", 0 if path == "blocks" else 1 << 40)
+    offset = 1e4 if path == "compensated" else 1.0
+    gen = torch.Generator().manual_seed(5)
+    # (on a 2^-8 grid: exact in float32 at the offset, and so is their sum)
+    x64 = ((torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + offset) * 256).round()
+    x64 = x64 / 256
+    r64 = (torch.randn(shape, generator=gen, dtype=torch.float64) * 256).round() / 256
+    w64 = torch.rand(normalized, generator=gen, dtype=torch.float64) + 0.5
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    def run(x, r, w):
+        if op == "rms_norm":
+            y = F.rms_norm(x, normalized, w)
+        elif op == "add_rms_norm":
+            y = add_rms_norm(x, r, normalized, w)[0]
+        else:
+            y = add_layer_norm(x, r, normalized, w)[0]
+        return y
+
+    leaves = [t.float().requires_grad_() for t in (x64, r64, w64)]
+    y = run(*leaves)
+    assert not y._is_view()
+    y.mul_(2.0).relu_()  # in place, as user code does
+    y.backward(dy.float())
+    refs = [t.clone().requires_grad_() for t in (x64, r64, w64)]
+    (run(*refs) * 2.0).relu().backward(dy)
+    assert_close(y.detach(), (run(*[t.detach() for t in refs]) * 2.0).relu(), torch.float32)
+    for got, want, name in zip(leaves, refs, ("input", "residual", "weight"), strict=True):
+        if want.grad is not None:
+            assert_grad_close(got.grad, want.grad, torch.float32, f"{op} {name} grad")

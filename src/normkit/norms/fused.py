@@ -381,19 +381,22 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
     k = _stats.reduced_count(shape, range(len(shape)))
     # (the flat views are made where they are used: each op costs host time, several
     # times its hot cost right after a large kernel has left the caches)
+    # (every output is allocated in its final shape, the flat (M, K) views only written
+    # through: autograd forbids in-place changes of a custom Function's outputs that are
+    # views, and users scale or activate a norm's output in place)
     w = None if weight is None or center else weight.reshape(k)
     if not center and _rms_blocks_serve(x, residual, res_dtype):
         # (the sum too, block by block: each block is added, normalized and scaled while
         # it is in cache; without a residual the input itself is the sum)
+        y = _new_like(x)
         if residual is None:
             s = x
-            y, rstd = _rms_in_chunks(x.view(-1, k), w, eps)
+            _, rstd = _rms_in_chunks(x.view(-1, k), w, eps, into=y.view(-1, k))
         else:
-            s = out_like(x, res_dtype, torch.contiguous_format)
-            s = torch.empty_like(x, memory_format=torch.contiguous_format) if s is None else s
-            y, rstd = _rms_in_chunks(s.view(-1, k), w, eps, x.view(-1, k),
-                                     residual.view(-1, k))
-        return s, y.view(s.shape), None, rstd
+            s = _new_like(x, res_dtype)
+            _, rstd = _rms_in_chunks(s.view(-1, k), w, eps, x.view(-1, k),
+                                     residual.view(-1, k), into=y.view(-1, k))
+        return s, y, None, rstd
     blocks = None
     if center and use_native and x.dtype == res_dtype and _same_dtype(x, weight, bias):
         # (large float32/float64 sums: block by block onto fresh huge pages, or None)
@@ -414,19 +417,32 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
             if not native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
                 y = mean = rstd = None
         if y is None:  # compensated statistics (normkit's core), recomputed in backward
-            y = normalize(s.view(-1, k), (1,), None if weight is None else weight.reshape(k),
-                          None if bias is None else bias.reshape(k), eps)[0].view(s.shape)
+            dims = tuple(range(s.dim() - len(shape), s.dim()))
+            y = normalize(s, dims, weight, bias, eps)[0]
     else:
-        rows = s.view(-1, k)  # (M, K)
-        sc = _stats.upcast(rows)
-        rstd = _stats.mean_square(sc, (1,)).add_(eps).rsqrt_()  # (M, 1)
+        sc = _stats.upcast(s)
+        flat = sc.view(-1, k)  # (M, K)
+        rstd = _stats.mean_square(flat, (1,)).add_(eps).rsqrt_()  # (M, 1)
         # (an upcast copy is scaled in place; else a new output, on huge pages when
         # large: kernels.memory)
-        y = sc.mul_(rstd) if sc is not rows else torch.mul(sc, rstd, out=out_like(sc))
+        if sc is not s:
+            y = sc
+            flat.mul_(rstd)
+        else:
+            y = _new_like(s)
+            flat = torch.mul(flat, rstd, out=y.view(-1, k))
         if w is not None:
-            y.mul_(w)
-        y = y.view(s.shape)
+            flat.mul_(w)
     return s, y, mean, rstd
+
+
+def _new_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A new contiguous tensor shaped like ``x``, in ``dtype`` (default ``x``'s); on huge
+    pages when large (:func:`normkit.kernels.memory.out_like`)."""
+    y = out_like(x, dtype, torch.contiguous_format)
+    if y is None:
+        y = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+    return y
 
 
 #: Bytes of input per block of rows in :func:`_rms_in_chunks`: its three passes (the
@@ -454,16 +470,18 @@ def _rms_blocks_serve(x: Tensor, residual: Tensor | None, res_dtype: torch.dtype
 
 
 def _rms_in_chunks(rows: Tensor, w: Tensor | None, eps: float, x: Tensor | None = None,
-                   residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   residual: Tensor | None = None, into: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor]:
     """RMSNorm's forward of contiguous float32/float64 ``(M, K)`` rows, block by block of
     about :data:`RMS_CHUNK_BYTES`: ``(y, rstd)``, the same bits as the whole-tensor
     passes (each row's norm is its own reduction; ``benchmarks/rms_chunks.py`` checks
     it), which read the input, then the output twice, from memory. With ``x`` the rows
     are written first, block by block: ``x + residual``, the residual sum of
-    ``add_rms_norm``, normalized while the block is in cache."""
+    ``add_rms_norm``, normalized while the block is in cache. ``into``: the ``(M, K)``
+    rows of the output (a flat view of the caller's), else a new ``(M, K)`` output."""
     m, k = rows.shape
     step = max(1, RMS_CHUNK_BYTES // (k * rows.element_size()))
-    y = out_like(rows)
+    y = out_like(rows) if into is None else into
     y = torch.empty_like(rows) if y is None else y
     rstd = rows.new_empty(m, 1)
     for start in range(0, m, step):
