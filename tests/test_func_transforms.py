@@ -108,3 +108,50 @@ def test_jvp_equals_the_jacobian_product(name):
     jac = torch.autograd.functional.jacobian(module, x)
     want = (jac.reshape(x.numel(), x.numel()) @ tangent.reshape(-1)).reshape(x.shape)
     assert_close(got, want, torch.float64, f"{name} jvp")
+
+
+#: Every fast path's node at sizes where the kernels serve it: name -> (factory, shape).
+BATCHED = {
+    "LayerNorm": (lambda: normkit.LayerNorm(512), (64, 512)),
+    "RMSNorm": (lambda: normkit.RMSNorm(512), (200, 512)),
+    "AddLayerNorm": (lambda: normkit.AddLayerNorm(512), (64, 512)),
+    "LayerNorm2d": (lambda: normkit.LayerNorm2d(16), (8, 16, 40, 40)),
+    "LayerNorm2d channels_last": (lambda: normkit.LayerNorm2d(16), (8, 16, 40, 40, "cl")),
+    "BatchNorm2d": (lambda: normkit.BatchNorm2d(16), (8, 16, 40, 40)),
+    "BatchNorm2d channels_last": (lambda: normkit.BatchNorm2d(16), (8, 16, 40, 40, "cl")),
+    "BatchNorm2d eval": (lambda: normkit.BatchNorm2d(16).eval(), (8, 16, 40, 40)),
+    "GroupNorm channels_last": (lambda: normkit.GroupNorm(4, 16), (8, 16, 40, 40, "cl")),
+    "GroupNormAct": (lambda: normkit.GroupNormAct(4, 16, act="silu"), (8, 16, 40, 40)),
+    "BatchNormAct2d": (lambda: normkit.BatchNormAct2d(16, act="silu"), (8, 16, 40, 40)),
+    "InstanceNorm2d": (lambda: normkit.InstanceNorm2d(16, affine=True), (8, 16, 40, 40)),
+}
+
+
+@pytest.mark.parametrize("offset", [1.0, 1e4], ids=["kernels", "compensated"])
+@pytest.mark.parametrize("name", list(BATCHED))
+def test_batched_gradients_equal_one_at_a_time(name, offset):
+    """``torch.autograd.grad(..., is_grads_batched=True)`` (and ``jacobian(...,
+    vectorize=True)``, built on it) runs the backward under torch's legacy vmap, which
+    has no batching rule for the ``out=`` calls of the fast paths' backward (LayerNorm2d
+    on NCHW raised). Such a backward differentiates the reference math; the input and
+    parameter gradients equal the same gradients taken one grad output at a time."""
+    make, shape = BATCHED[name]
+    channels_last = shape[-1] == "cl"
+    shape = shape[:-1] if channels_last else shape
+    module = make()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen) * 2 + offset
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    args = (x, torch.randn(shape, generator=gen)) if name == "AddLayerNorm" else (x,)
+    y = module(*args)
+    y = y[0] if isinstance(y, tuple) else y
+    leaves = (x, *module.parameters())
+    dys = torch.randn((3, *y.shape), generator=gen)
+    batched = torch.autograd.grad(y, leaves, dys, retain_graph=True, is_grads_batched=True)
+    assert not any(g.requires_grad for g in batched)  # (no graph kept: not create_graph)
+    for i in range(3):
+        one = torch.autograd.grad(y, leaves, dys[i], retain_graph=True)
+        for got, want in zip(batched, one, strict=True):
+            assert_grad_close(got[i], want, torch.float32, name)

@@ -56,6 +56,7 @@ from .memory import empty_like, out_like
 from .native import (
     CHANNELS_LAST_BACKWARD_MAX_COUNT,
     CHANNELS_LAST_MAX_COUNT,
+    backward_by_reference,
     channels_last_format,
     reference_grads,
     strided_like,
@@ -748,7 +749,7 @@ class _SliceNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        if backward_by_reference(dy):  # create_graph=True, batched gradients
             out = reference_grads(ctx.reference, (x, weight, bias), needs, dy)
         else:
             out = backward(dy, x, mean, rstd, weight, ctx.pool, needs)

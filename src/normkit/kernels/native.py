@@ -499,7 +499,7 @@ class _KernelNode(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        if backward_by_reference(dy):  # create_graph=True, batched gradients
             grads = reference_grads(ctx.reference, (x, weight, bias), needs, dy)
         else:
             grads = ctx.backward_fn(dy, x, weight, bias, list(needs))
@@ -1533,9 +1533,34 @@ LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS = (1 << 17, 1 << 18)
 LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS_INFERENCE = (1 << 16, 1 << 17)
 
 
+#: Whether a tensor is a batched gradient of ``torch.autograd.grad(...,
+#: is_grads_batched=True)`` (torch's legacy vmap; False on a torch without the check).
+_legacy_batched = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor",
+                          lambda t: False)
+
+
+def backward_by_reference(dy: Tensor) -> bool:
+    """Whether a fast path's backward differentiates its reference math instead of
+    running its kernels: under ``create_graph=True`` (grad mode on in the backward: the
+    double backward needs a differentiable graph), and for a batched gradient
+    (``torch.autograd.grad(..., is_grads_batched=True)``, ``jacobian(...,
+    vectorize=True)``), whose legacy vmap has no batching rule for the ``out=`` calls the
+    kernels write through.
+
+    Example:
+        >>> with torch.no_grad():  # (a backward runs without grad mode)
+        ...     backward_by_reference(torch.ones(2))
+        False
+        >>> backward_by_reference(torch.ones(2))  # grad mode on: create_graph=True
+        True
+    """
+    return torch.is_grad_enabled() or _legacy_batched(dy)
+
+
 def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:
-    """Gradients of ``reference(*inputs)`` for the inputs that ``needs``, differentiable
-    themselves (``create_graph=True``): the double backward of a fast path's node.
+    """Gradients of ``reference(*inputs)`` for the inputs that ``needs``: differentiable
+    themselves where grad mode is on (``create_graph=True``: the double backward of a
+    fast path's node), plain ones in a batched gradient's backward.
 
     Example:
         >>> x = torch.randn(3, requires_grad=True)
@@ -1544,9 +1569,10 @@ def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tenso
         (True, True)
     """
     wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
+    graph = torch.is_grad_enabled()  # (off for a batched gradient: plain gradients)
     with torch.enable_grad():
         y = reference(*inputs)
-        grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True, allow_unused=True))
+        grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=graph, allow_unused=True))
     return [next(grads) if need else None for need in needs]
 
 
@@ -1569,7 +1595,7 @@ class _ColumnNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, bias, mean, invstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        if backward_by_reference(dy):  # create_graph=True, batched gradients
             grads = reference_grads(ctx.reference, (x, weight, bias),
                                     (need_x, need_w, need_b), dy)
             return (*grads, None, None, None, None, None)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import _stats
+from ..kernels.native import backward_by_reference
 
 BACKENDS = ("auto", "reference", "eager", "triton")
 
@@ -186,7 +187,7 @@ class NormalizeFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
         x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled():
+        if backward_by_reference(dy):
             return _double_differentiable_backward(ctx, dy, x, weight, bias)
         grads = normalize_backward(dy, x, weight, bias, mean_hi, mean_lo, rstd, ctx.dims,
                                    ctx.center, ctx.needs_input_grad[:3])
@@ -270,12 +271,14 @@ def normalize_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tenso
 
 
 def _double_differentiable_backward(ctx, dy, x, weight, bias):
-    """Backward for ``create_graph=True``: differentiate the reference with autograd."""
+    """Backward for ``create_graph=True`` (and batched gradients): differentiate the
+    reference with autograd, differentiably where grad mode is on."""
     wanted = zip((x, weight, bias), ctx.needs_input_grad[:3], strict=True)
     inputs = [t for t, need in wanted if need]
+    graph = torch.is_grad_enabled()
     with torch.enable_grad():
         y, _, _ = reference_normalize(x, ctx.dims, weight, bias, ctx.eps, ctx.center)
-        grads = iter(torch.autograd.grad(y, inputs, dy, create_graph=True, allow_unused=True))
+        grads = iter(torch.autograd.grad(y, inputs, dy, create_graph=graph, allow_unused=True))
     out = [next(grads) if need else None for need in ctx.needs_input_grad[:3]]
     return (*out, None, None, None)
 

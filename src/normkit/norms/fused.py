@@ -535,7 +535,7 @@ class _AddNormFunction(torch.autograd.Function):
         dw = db = None
         if dnormed is None:
             ds = dres
-        elif torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        elif native.backward_by_reference(dnormed):  # create_graph=True, batched gradients
             ds, dw, db = _reference_grads(ctx, s, weight, bias, dnormed)
             if dres is not None:
                 ds = ds + dres
@@ -639,12 +639,14 @@ def _recomputed_grads(ctx, s, weight, bias, dnormed):
 
 
 def _reference_grads(ctx, s, weight, bias, dnormed):
-    """Differentiable gradients (``create_graph=True``) from the reference math."""
+    """Gradients from the reference math: differentiable under ``create_graph=True``
+    (grad mode on), plain ones for a batched gradient."""
     dims = tuple(range(s.dim() - len(ctx.shape), s.dim()))
+    graph = torch.is_grad_enabled()
     with torch.enable_grad():
         y = reference_normalize(s, dims, weight, bias, ctx.eps, ctx.center)[0]
         needs = (True, *ctx.needs_input_grad[2:4])
-        return _grads_of(y, (s, weight, bias), dnormed.to(y.dtype), create_graph=True,
+        return _grads_of(y, (s, weight, bias), dnormed.to(y.dtype), create_graph=graph,
                          needs=needs)
 
 
@@ -1147,12 +1149,13 @@ def _bn_act_backward(ctx, dz, mask):
     x, z, y, weight, bias, mean, invstd = ctx.saved_tensors
     act = ctx.act
     view = F._channel_view(x)
-    if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+    if native.backward_by_reference(dz):  # create_graph=True, batched gradients
+        graph = torch.is_grad_enabled()
         with torch.enable_grad():
             ref = reference_normalize(x, ctx.dims, affine_view(weight, view),
                                       affine_view(bias, view), ctx.eps)[0]
-            return _grads_of(act.as_taken(ref, z, y), (x, weight, bias), dz, create_graph=True,
-                             needs=mask)
+            return _grads_of(act.as_taken(ref, z, y), (x, weight, bias), dz,
+                             create_graph=graph, needs=mask)
     if not ctx.fast:  # ill-conditioned or 16-bit: through normkit's compensated core
         x_, w_, b_ = _grad_inputs((x, weight, bias), mask)
         with torch.enable_grad():
@@ -1493,13 +1496,14 @@ class _GroupNormActFunction(torch.autograd.Function):
         act, groups = ctx.act, ctx.groups
         mask = list(ctx.needs_input_grad[:3])
         n, c = x.shape[:2]
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        if native.backward_by_reference(dz):  # create_graph=True, batched gradients
+            graph = torch.is_grad_enabled()
             with torch.enable_grad():
                 w, b = _group_params(x, groups, weight, bias)
                 ref = reference_normalize(_grouped(x, groups), _group_dims(x), w, b,
                                           ctx.eps)[0].flatten(1, 2)
                 grads = _grads_of(act.as_taken(ref, z, y), (x, weight, bias), dz,
-                                  create_graph=True, needs=mask)
+                                  create_graph=graph, needs=mask)
         elif ctx.path == "robust":  # through normkit's compensated core
             x_, w_, b_ = _grad_inputs((x, weight, bias), mask)
             with torch.enable_grad():
