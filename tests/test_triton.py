@@ -494,6 +494,33 @@ def test_second_order_gradients_match_the_reference():
         close(got, want, F32, "second-order gradient")
 
 
+def test_batched_gradients_equal_one_at_a_time():
+    """``torch.autograd.grad(..., is_grads_batched=True)`` through every launcher: the
+    backward of a batched gradient differentiates the reference (the kernels cannot take
+    torch's legacy batched tensors), with plain gradients as the result."""
+    torch.manual_seed(11)
+    x, r = rand(3, 12), rand(3, 12)
+    xi = rand(2, 4, 3, 3)
+    w, b, wc, bc = param(12), param(12), param(4), param(4)
+    rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    y, h = tk.layer_norm(x, (12,), w, b, residual=r)
+    outs = [y, h, tk.rms_norm(x, (12,), w), tk.group_norm(xi, 2, wc, bc, act="silu"),
+            tk.batch_norm_train(xi, wc, bc)[0], tk.batch_norm_eval(xi, rm, rv, wc, bc)]
+    inputs = [x, r, xi, w, b, wc, bc]
+    for out in outs:
+        wanted = [t for t in inputs if torch.autograd.grad(out, t, torch.ones_like(out),
+                                                           retain_graph=True,
+                                                           allow_unused=True)[0] is not None]
+        dys = torch.randn(2, *out.shape, device=DEVICE)
+        batched = torch.autograd.grad(out, wanted, dys, retain_graph=True,
+                                      is_grads_batched=True)
+        assert not any(g.requires_grad for g in batched)
+        for i in range(2):
+            one = torch.autograd.grad(out, wanted, dys[i], retain_graph=True)
+            for got, want in zip(batched, one, strict=True):
+                close(got[i], want, F32, "batched gradient")
+
+
 def test_int64_offsets_past_2_31_elements():
     """Row, sample and channel strides beyond 2**31 elements (4 GiB of float16 address
     space, mapped lazily: only the few elements used are ever touched)."""

@@ -1539,7 +1539,7 @@ _legacy_batched = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batc
                           lambda t: False)
 
 
-def backward_by_reference(dy: Tensor) -> bool:
+def backward_by_reference(dy: Tensor | None) -> bool:
     """Whether a fast path's backward differentiates its reference math instead of
     running its kernels: under ``create_graph=True`` (grad mode on in the backward: the
     double backward needs a differentiable graph), and for a batched gradient
@@ -1554,7 +1554,10 @@ def backward_by_reference(dy: Tensor) -> bool:
         >>> backward_by_reference(torch.ones(2))  # grad mode on: create_graph=True
         True
     """
-    return torch.is_grad_enabled() or _legacy_batched(dy)
+    if torch.is_grad_enabled():
+        return True
+    # (Dynamo cannot trace the check, and traces no legacy vmap)
+    return dy is not None and not torch.compiler.is_compiling() and _legacy_batched(dy)
 
 
 def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tensor) -> list:

@@ -24,6 +24,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
+from ..native import backward_by_reference
 from . import _kernels as K
 
 #: Widest LayerNorm/RMSNorm row one program keeps in registers; wider rows are walked in
@@ -245,7 +246,8 @@ def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | N
 def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
                         view: tuple[int, ...], weight: Tensor | None, bias: Tensor | None,
                         dy: Tensor, act: int, needs: tuple[bool, bool, bool]):
-    """Differentiable ``(dsrc, dweight, dbias)``, float32, for ``create_graph=True``.
+    """``(dsrc, dweight, dbias)``, float32, differentiable under ``create_graph=True``
+    (grad mode on), plain ones for a batched gradient.
 
     ``normalize(src)`` is normkit's differentiable reference for ``xhat``; the affine
     map and the activation are differentiated by hand, and ``autograd.grad`` is asked
@@ -254,8 +256,10 @@ def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
     stream, and recurse.)
     """
     need_src, need_w, need_b = needs
+    graph = torch.is_grad_enabled()  # (off for a batched gradient: plain gradients)
     with torch.enable_grad():
         xhat = normalize(src.float())
+    with torch.set_grad_enabled(graph):
         w = None if weight is None else weight.float().view(view)
         b = None if bias is None else bias.float().view(view)
         dz = dy.float()
@@ -269,7 +273,7 @@ def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
         dsrc = None
         if need_src:
             dsrc, = torch.autograd.grad(xhat, [src], dz if w is None else dz * w,
-                                        create_graph=True)
+                                        create_graph=graph)
     return dsrc, dw, db
 
 
@@ -310,16 +314,18 @@ class RowNormFunction(torch.autograd.Function):
         n, ndim, eps, center, block, x_dtype, r_dtype = ctx.meta
         need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
         need_w, need_b = need_w and weight is not None, need_b and bias is not None
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        if backward_by_reference(dy) or backward_by_reference(dh):  # create_graph, batched
             from ...norms._core import reference_normalize
 
             dims = tuple(range(src.dim() - ndim, src.dim()))
-            dsrc, dw, db = _reference_backward(
-                src, lambda s: reference_normalize(s, dims, eps=eps, center=center)[0],
-                src.shape[src.dim() - ndim:], weight, bias, dy, 0,
-                (need_x or need_r, need_w, need_b))
-            if dsrc is not None and dh is not None:
-                dsrc = dsrc + dh
+            dsrc = dw = db = None
+            if dy is not None:
+                dsrc, dw, db = _reference_backward(
+                    src, lambda s: reference_normalize(s, dims, eps=eps, center=center)[0],
+                    src.shape[src.dim() - ndim:], weight, bias, dy, 0,
+                    (need_x or need_r, need_w, need_b))
+            if dh is not None:  # (the residual output passes its gradient straight on)
+                dsrc = dh if dsrc is None else dsrc + dh
             return (None if dsrc is None or not need_x else dsrc.to(x_dtype),
                     None if dsrc is None or not need_r else dsrc.to(r_dtype),
                     None if dw is None else dw.to(weight.dtype),
@@ -449,7 +455,7 @@ class GroupNormFunction(torch.autograd.Function):
         x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
         groups, eps, act, block = ctx.meta
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        if backward_by_reference(dy):  # create_graph=True, batched gradients
             grads = _reference_backward(x, lambda s: _group_xhat(s, groups, eps),
                                         _channel_shape(x), weight, bias, dy, act,
                                         (need_x, need_w, need_b))
@@ -588,7 +594,7 @@ class BatchNormTrainFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
         x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        if backward_by_reference(dy):  # create_graph=True, batched gradients
             from ...norms._core import reference_normalize
 
             dims = (0, *range(2, x.dim()))
@@ -627,7 +633,7 @@ class BatchNormEvalFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the reference
+        if backward_by_reference(dy):  # create_graph=True, batched gradients
             view = _channel_shape(x)
             grads = _reference_backward(
                 x, lambda s: ((s - mean_hi.view(view)) - mean_lo.view(view)) * rstd.view(view),
