@@ -221,3 +221,56 @@ def test_channels_last_input_without_a_gradient_under_trainable_parameters(name,
     ref.backward(dy)
     for (pname, p), p64 in zip(module.named_parameters(), params64, strict=True):
         assert_grad_close(p.grad, p64.grad, dtype, f"{name} {pname} grad")
+
+
+#: Every layer with its input shape(s), at sizes where the fast paths serve it.
+_IN_PLACE_AFTER = {
+    "BatchNorm2d": (lambda: normkit.BatchNorm2d(16), (8, 16, 20, 20)),
+    "BatchNormAct2d": (lambda: normkit.BatchNormAct2d(16, act="silu"), (8, 16, 20, 20)),
+    "BatchRenorm2d": (lambda: normkit.BatchRenorm2d(16), (8, 16, 20, 20)),
+    "FrozenBatchNorm2d": (lambda: normkit.FrozenBatchNorm2d(16), (8, 16, 20, 20)),
+    "MeanOnlyBatchNorm2d": (lambda: normkit.MeanOnlyBatchNorm2d(16), (8, 16, 20, 20)),
+    "GroupNorm": (lambda: normkit.GroupNorm(4, 16), (8, 16, 20, 20)),
+    "GroupNormAct": (lambda: normkit.GroupNormAct(4, 16, act="silu"), (8, 16, 20, 20)),
+    "InstanceNorm2d": (lambda: normkit.InstanceNorm2d(16, affine=True), (8, 16, 20, 20)),
+    "LayerNorm2d": (lambda: normkit.LayerNorm2d(16), (8, 16, 20, 20)),
+    "LayerNorm": (lambda: normkit.LayerNorm(512), (300, 512)),
+    "RMSNorm": (lambda: normkit.RMSNorm(512), (300, 512)),
+    "AddLayerNorm": (lambda: normkit.AddLayerNorm(512), ((300, 512), (300, 512))),
+    "AddRMSNorm": (lambda: normkit.AddRMSNorm(512), ((300, 512), (300, 512))),
+    "LayerNormLSTMCell": (lambda: normkit.LayerNormLSTMCell(16, 8), (6, 16)),
+}
+
+
+@pytest.mark.parametrize("offset", [1.0, 1e3], ids=["kernels", "compensated"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("name", list(_IN_PLACE_AFTER))
+def test_output_can_be_changed_in_place(name, layout, offset):
+    """User code scales or activates a norm's output in place (``y.mul_(g)``,
+    ``nn.ReLU(inplace=True)`` after a BatchNorm), as torch's layers allow; a custom
+    autograd node whose output is a view forbids it (RMSNorm's did). Gradients through
+    the in-place change equal float64's. (In-Place ABN is the documented exception.)"""
+    make, shape = _IN_PLACE_AFTER[name]
+    shapes = shape if isinstance(shape[0], tuple) else (shape,)
+    if layout == "channels_last" and len(shapes[0]) != 4:
+        pytest.skip("channels_last takes 4D input")
+    torch.manual_seed(0)
+    module = make()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn(p.shape))
+    twin = float64_twin(module)
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(s, generator=gen, dtype=torch.float64) * 2 + offset for s in shapes]
+    xs = [t.float() for t in inputs]
+    if layout == "channels_last":
+        xs = [t.contiguous(memory_format=torch.channels_last) for t in xs]
+    xs = [t.requires_grad_() for t in xs]
+    refs = [t.float().double().requires_grad_() for t in inputs]
+    y, y_ref = module(*xs), twin(*refs)
+    y, y_ref = (y[0], y_ref[0]) if isinstance(y, tuple) else (y, y_ref)
+    y.mul_(2.0).sigmoid_()  # (smooth: a ReLU's kink turns rounding into a jump)
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    y.backward(dy.float())
+    (y_ref * 2.0).sigmoid().backward(dy)
+    assert_grad_close(xs[0].grad, refs[0].grad, torch.float32, f"{name} input grad")
