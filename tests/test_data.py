@@ -361,6 +361,8 @@ BAD = {
     "tuple-index": (lambda: Standardizer().fit([(torch.ones(2, 1),)], key=3), IndexError,
                     ["1 items", "3"]),
     "batch-type": (lambda: Standardizer().fit(["text"]), TypeError, ["str", "batch 0"]),
+    "nested-list": (lambda: Standardizer().fit([[1.0, 2.0], [3.0, 4.0]]), TypeError,
+                    ["got float", "nested list of numbers", "torch.tensor(data)"]),
     "data-type": (lambda: Standardizer().fit(3), TypeError, ["iterable", "int"]),
     "complex": (lambda: Standardizer().fit(torch.ones(2, 2, dtype=torch.complex64)), ValueError,
                 ["real-valued", "complex64"]),

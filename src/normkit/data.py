@@ -29,6 +29,7 @@ Numerics
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -84,9 +85,12 @@ def _as_tensor(obj: Any, who: str, where: str) -> Tensor:
     if isinstance(obj, np.ndarray):
         obj = torch.from_numpy(np.ascontiguousarray(obj))
     if not isinstance(obj, Tensor):
+        hint = ("; a nested list of numbers is read as a list of (x, y) batches: pass "
+                "torch.tensor(data) or np.asarray(data)" if isinstance(obj, numbers.Number)
+                else "")
         raise TypeError(
             f"{who} expected {where} to be a torch.Tensor or numpy array, "
-            f"got {type(obj).__name__}"
+            f"got {type(obj).__name__}{hint}"
         )
     if obj.is_complex():
         raise ValueError(
