@@ -443,7 +443,12 @@ class LayerNormLSTM(NotScriptable, nn.Module):
                     ln.reset_parameters()
 
     def flatten_parameters(self) -> None:
-        """Do nothing: there is no cuDNN weight buffer to compact (torch.nn.LSTM parity)."""
+        """Do nothing: there is no cuDNN weight buffer to compact (torch.nn.LSTM parity).
+
+        Example:
+            >>> LayerNormLSTM(4, 8).flatten_parameters() is None
+            True
+        """
 
     def extra_repr(self) -> str:
         s = f"{self.input_size}, {self.hidden_size}"

@@ -230,7 +230,15 @@ class WeightNorm(NotScriptable, nn.Module):
         return _WeightNormFunction.apply(weight_v, weight_g, self.dim)
 
     def right_inverse(self, weight: Tensor) -> tuple[Tensor, Tensor]:
-        """Split ``weight`` into ``(g, v) = (||weight||, weight)``: ``forward`` gives it back."""
+        """Split ``weight`` into ``(g, v) = (||weight||, weight)``: ``forward`` gives it back.
+
+        Example:
+            >>> wn = WeightNorm(dim=0)
+            >>> w = torch.tensor([[3.0, 4.0], [0.0, 2.0]])
+            >>> g, v = wn.right_inverse(w)
+            >>> g.flatten().tolist(), torch.allclose(wn(g, v), w)
+            ([5.0, 2.0], True)
+        """
         _check_dim(self.dim, weight.dim(), "WeightNorm")
         dims, keepdim = _reduction(weight.dim(), self.dim)
         return _norm(weight, dims, keepdim).to(weight.dtype), weight

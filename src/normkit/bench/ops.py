@@ -210,7 +210,12 @@ class Op:
         return f"normkit.norms.fused.{self.symbol}" if self.fused else f"normkit.{self.symbol}"
 
     def resolve(self) -> type:
-        """The normkit class, or :class:`OpUnavailable` saying why there is none."""
+        """The normkit class, or :class:`OpUnavailable` saying why there is none.
+
+        Example:
+            >>> get_op("layer_norm").resolve().__name__
+            'LayerNorm'
+        """
         import normkit
 
         if not self.fused:
@@ -231,7 +236,12 @@ class Op:
         return cls
 
     def available(self) -> str | None:
-        """``None`` when the op can run here, else the reason it cannot."""
+        """``None`` when the op can run here, else the reason it cannot.
+
+        Example:
+            >>> get_op("rms_norm").available() is None
+            True
+        """
         try:
             self.resolve()
         except OpUnavailable as error:

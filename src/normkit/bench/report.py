@@ -174,7 +174,15 @@ def _dtypes(env: dict) -> str:
     return env["dtype"] if params == env["dtype"] else f"{env['dtype']} ({params} parameters)"
 
 def to_markdown(doc: dict) -> str:
-    """The document as Markdown: title, command, environment, table, legend, omissions."""
+    """The document as Markdown: title, command, environment, table, legend, omissions.
+
+    Example:
+        >>> from normkit.bench.runner import BenchConfig, run
+        >>> doc = run(BenchConfig(ops=("rms_norm",), shapes="4x8", repeats=1, warmup=0,
+        ...                       min_time=0, copy_mib=1))
+        >>> to_markdown(doc).splitlines()[0]
+        '# normkit bench: cpu, float32, input randn (well-conditioned)'
+    """
     env, settings = doc["environment"], doc["settings"]
     conditioning = _CONDITIONING.get(env["input"], env["input"])
     load = env["load_average"]

@@ -274,7 +274,15 @@ class FrozenBatchNorm(NotScriptable, nn.Module):
         return frozen
 
     def to_batchnorm(self, cls: type[nn.Module] | None = None) -> nn.Module:
-        """A trainable BatchNorm (normkit's, of the matching rank) with this layer's state."""
+        """A trainable BatchNorm (normkit's of the matching rank, or ``cls``) with this
+        layer's state.
+
+        Example:
+            >>> import normkit
+            >>> bn = normkit.FrozenBatchNorm2d(4).to_batchnorm()
+            >>> type(bn).__name__, bn.training, [name for name, _ in bn.named_parameters()]
+            ('BatchNorm2d', True, ['weight', 'bias'])
+        """
         if cls is None:
             cls = _UNFROZEN.get(type(self).__name__, BatchNorm)
         ref = self.running_mean

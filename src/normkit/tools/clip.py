@@ -135,13 +135,38 @@ class AGC:
         self._excluded = {id(p) for p in excluded}
 
     def clip_(self) -> Tensor:
-        """Clip the gradients of every non-excluded parameter; return units clipped."""
+        """Clip the gradients of every non-excluded parameter; return units clipped.
+
+        Example:
+            >>> import torch
+            >>> layer = torch.nn.Linear(2, 1, bias=False)
+            >>> layer.weight.data.fill_(1.0)  # doctest: +ELLIPSIS
+            tensor(...)
+            >>> layer.weight.grad = torch.full((1, 2), 10.0)  # 10x the weight's norm
+            >>> agc = AGC(torch.optim.SGD(layer.parameters(), lr=0.1), clip_factor=0.1)
+            >>> int(agc.clip_()), round(layer.weight.grad.norm().item(), 4)  # 0.1 x |w|
+            (1, 0.1414)
+        """
         params = [p for group in self.optimizer.param_groups for p in group["params"]
                   if id(p) not in self._excluded]
         return adaptive_clip_grad_(params, self.clip_factor, self.eps)
 
     def step(self, closure=None):
-        """Clip, then take the wrapped optimizer's step."""
+        """Clip, then take the wrapped optimizer's step (with an optional ``closure`` that
+        recomputes the loss, as ``torch.optim.Optimizer.step`` takes one).
+
+        Example:
+            >>> import torch
+            >>> layer = torch.nn.Linear(2, 1)
+            >>> agc = AGC(torch.optim.SGD(layer.parameters(), lr=0.1))
+            >>> def closure():
+            ...     agc.zero_grad()
+            ...     loss = layer(torch.ones(4, 2)).square().mean()
+            ...     loss.backward()
+            ...     return loss
+            >>> bool(agc.step(closure) >= 0)
+            True
+        """
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()

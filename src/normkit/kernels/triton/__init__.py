@@ -107,7 +107,9 @@ def available() -> bool:
     """True when ``triton`` imports (the result is cached; the first call imports it).
 
     Prefer the ``supports_*`` predicates: they import ``triton`` only for inputs the
-    backend could serve, so CPU-only runs never pay for it.
+    backend could serve, so CPU-only runs never pay for it. (No example runs it here:
+    importing ``triton`` settles its interpreter-or-compiler mode for the process, which
+    ``tests/test_triton.py`` must set first.)
     """
     return _triton_imports()
 

@@ -30,12 +30,26 @@ EXPERIMENTS: tuple[Experiment, ...] = (
 
 
 def names() -> list[str]:
-    """The experiments' names, in report order."""
+    """The experiments' names, in report order.
+
+    Example:
+        >>> names()[:3]
+        ['inputs', 'bn-learning-rate', 'batch-size']
+    """
     return [e.name for e in EXPERIMENTS]
 
 
 def get_experiment(name: str) -> Experiment:
-    """The experiment called ``name`` (a ValueError lists the names)."""
+    """The experiment called ``name`` (a ValueError lists the names).
+
+    Example:
+        >>> get_experiment("inputs").claims[0][0]
+        'inputs.scale'
+        >>> get_experiment("dropout")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown experiment 'dropout'; expected one of inputs, bn-learning-rate, ...
+    """
     for experiment in EXPERIMENTS:
         if experiment.name == name:
             return experiment
