@@ -63,6 +63,20 @@ CASES = [
 ]
 CASE_IDS = [c.name for c in CASES]
 
+#: Every image (per-channel) layer class, built for ``c`` channels (groups of 4 channels
+#: where the layer has groups): the suites that sweep each layer once take it from here.
+IMAGE_LAYERS: dict[str, Callable[[int], nn.Module]] = {
+    "BatchNorm2d": lambda c: normkit.BatchNorm2d(c),
+    "BatchNormAct2d": lambda c: normkit.BatchNormAct2d(c, act="silu"),
+    "BatchRenorm2d": lambda c: normkit.BatchRenorm2d(c),
+    "FrozenBatchNorm2d": lambda c: normkit.FrozenBatchNorm2d(c),
+    "MeanOnlyBatchNorm2d": lambda c: normkit.MeanOnlyBatchNorm2d(c),
+    "GroupNorm": lambda c: normkit.GroupNorm(max(1, c // 4), c),
+    "GroupNormAct": lambda c: normkit.GroupNormAct(max(1, c // 4), c, act="silu"),
+    "InstanceNorm2d": lambda c: normkit.InstanceNorm2d(c, affine=True),
+    "LayerNorm2d": lambda c: normkit.LayerNorm2d(c),
+}
+
 LAYOUTS = ["contiguous", "channels_last", "noncontiguous"]
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 

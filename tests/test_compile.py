@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from cases import IMAGE_LAYERS
 from compile_recorder import recording_backend
 
 import normkit
@@ -365,22 +366,9 @@ def test_batch_norm_operators_pass_opcheck_on_every_path(monkeypatch):
                 (dy, x, hi, lo, rstd, w, 1e-5, [True, True, False]))
 
 
-_IMAGE_LAYERS = {
-    "BatchNorm2d": lambda: normkit.BatchNorm2d(4),
-    "BatchNormAct2d": lambda: normkit.BatchNormAct2d(4, act="silu"),
-    "BatchRenorm2d": lambda: normkit.BatchRenorm2d(4),
-    "FrozenBatchNorm2d": lambda: normkit.FrozenBatchNorm2d(4),
-    "MeanOnlyBatchNorm2d": lambda: normkit.MeanOnlyBatchNorm2d(4),
-    "GroupNorm": lambda: normkit.GroupNorm(2, 4),
-    "GroupNormAct": lambda: normkit.GroupNormAct(2, 4, act="silu"),
-    "InstanceNorm2d": lambda: normkit.InstanceNorm2d(4, affine=True),
-    "LayerNorm2d": lambda: normkit.LayerNorm2d(4),
-}
-
-
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-@pytest.mark.parametrize("name", list(_IMAGE_LAYERS))
+@pytest.mark.parametrize("name", list(IMAGE_LAYERS))
 def test_fullgraph_compile_across_image_sizes(name, layout, grad):
     """Images of several sizes through one compiled layer (detection and segmentation
     inference, multi-scale training): from the second size on Dynamo compiles with
@@ -388,7 +376,7 @@ def test_fullgraph_compile_across_image_sizes(name, layout, grad):
     strides to choose a reduction did: a graph break on channels-last input without a
     gradient). Outputs equal eager at every size."""
     torch._dynamo.reset()
-    eager = _IMAGE_LAYERS[name]().train()
+    eager = IMAGE_LAYERS[name](4).train()
     compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, backend="aot_eager")
     for step, (n, size) in enumerate([(2, 5), (3, 7), (2, 9)]):
         x = torch.randn(n, 4, size, size + 1, generator=torch.Generator().manual_seed(step))

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-from cases import CASE_IDS, CASES, DTYPES, LAYOUTS, float64_twin, make_input, memory_format_of
+from cases import (
+    CASE_IDS,
+    CASES,
+    DTYPES,
+    IMAGE_LAYERS,
+    LAYOUTS,
+    float64_twin,
+    make_input,
+    memory_format_of,
+)
 from oracle import assert_close, assert_grad_close, reference_forward
 
 import normkit
@@ -225,15 +236,8 @@ def test_channels_last_input_without_a_gradient_under_trainable_parameters(name,
 
 #: Every layer with its input shape(s), at sizes where the fast paths serve it.
 _IN_PLACE_AFTER = {
-    "BatchNorm2d": (lambda: normkit.BatchNorm2d(16), (8, 16, 20, 20)),
-    "BatchNormAct2d": (lambda: normkit.BatchNormAct2d(16, act="silu"), (8, 16, 20, 20)),
-    "BatchRenorm2d": (lambda: normkit.BatchRenorm2d(16), (8, 16, 20, 20)),
-    "FrozenBatchNorm2d": (lambda: normkit.FrozenBatchNorm2d(16), (8, 16, 20, 20)),
-    "MeanOnlyBatchNorm2d": (lambda: normkit.MeanOnlyBatchNorm2d(16), (8, 16, 20, 20)),
-    "GroupNorm": (lambda: normkit.GroupNorm(4, 16), (8, 16, 20, 20)),
-    "GroupNormAct": (lambda: normkit.GroupNormAct(4, 16, act="silu"), (8, 16, 20, 20)),
-    "InstanceNorm2d": (lambda: normkit.InstanceNorm2d(16, affine=True), (8, 16, 20, 20)),
-    "LayerNorm2d": (lambda: normkit.LayerNorm2d(16), (8, 16, 20, 20)),
+    **{name: (functools.partial(make, 16), (8, 16, 20, 20))
+       for name, make in IMAGE_LAYERS.items()},
     "LayerNorm": (lambda: normkit.LayerNorm(512), (300, 512)),
     "RMSNorm": (lambda: normkit.RMSNorm(512), (300, 512)),
     "AddLayerNorm": (lambda: normkit.AddLayerNorm(512), ((300, 512), (300, 512))),
