@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import float64_twin
 from oracle import assert_close, assert_grad_close
 from torch.func import functional_call, grad, jvp, vmap
 
@@ -155,3 +156,53 @@ def test_batched_gradients_equal_one_at_a_time(name, offset):
         one = torch.autograd.grad(y, leaves, dys[i], retain_graph=True)
         for got, want in zip(batched, one, strict=True):
             assert_grad_close(got[i], want, torch.float32, name)
+
+
+FORWARD_AD = {
+    **{name: (make, shape) for name, (make, shape) in BATCHED.items()},
+    "RMSNorm rows node": (lambda: normkit.RMSNorm(512), (300, 512)),
+    "AddRMSNorm": (lambda: normkit.AddRMSNorm(512), (64, 512)),
+    "MeanOnlyBatchNorm2d": (lambda: normkit.MeanOnlyBatchNorm2d(16), (8, 16, 20, 20)),
+    "BatchNormAct2d inplace": (
+        lambda: normkit.BatchNormAct2d(16, act="leaky_relu", memory="inplace"), (8, 16, 20, 20)),
+    "weight_norm Linear": (lambda: normkit.weight_norm(torch.nn.Linear(32, 16)), (20, 32)),
+}
+
+
+@pytest.mark.parametrize("name", list(FORWARD_AD))
+def test_forward_mode_ad_equals_the_float64_jvp(name):
+    """Plain forward-mode AD (``torch.autograd.forward_ad.dual_level``, ``make_dual``)
+    needs a ``jvp`` from every autograd node it meets; the fast paths' nodes have none
+    (RMSNorm from 2^16 elements, MeanOnlyBatchNorm, In-Place ABN and weight norm raised
+    "You must implement the jvp function"). Inside a dual level ``backend="auto"`` takes
+    the reference math, as under the torch.func transforms: the tangent equals the
+    float64 ``torch.func.jvp``."""
+    import torch.autograd.forward_ad as fwad
+
+    make, shape = FORWARD_AD[name]
+    channels_last = shape[-1] == "cl"
+    shape = shape[:-1] if channels_last else shape
+    module = make()
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(shape, generator=gen) * 2 + 1]
+    if name.startswith("Add"):
+        inputs.append(torch.randn(shape, generator=gen))
+    if channels_last:
+        inputs = [t.contiguous(memory_format=torch.channels_last) for t in inputs]
+    tangents = [torch.randn(shape, generator=gen) for _ in inputs]
+    twin = float64_twin(module)
+    for layer in twin.modules():  # (torch.func refuses in-place running-statistics updates;
+        if layer.training and getattr(layer, "running_mean", None) is not None:  # unread)
+            for buffer in ("running_mean", "running_var", "num_batches_tracked"):
+                if hasattr(layer, buffer):
+                    setattr(layer, buffer, None)
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    with fwad.dual_level():
+        y = first(module(*(fwad.make_dual(x, t) for x, t in zip(inputs, tangents, strict=True))))
+        got = fwad.unpack_dual(y).tangent
+    _, want = jvp(lambda *xs: first(twin(*xs)), tuple(t.double() for t in inputs),
+                  tuple(t.double() for t in tangents))
+    assert_grad_close(got.detach(), want.detach(), torch.float32, f"{name} tangent")

@@ -41,7 +41,7 @@ from torch.nn.utils import parametrize
 
 from . import _stats
 from .norms._base import NotScriptable
-from .norms._core import check_backend
+from .norms._core import check_backend, compiling
 
 __all__ = [
     "WeightNorm",
@@ -225,7 +225,7 @@ class WeightNorm(NotScriptable, nn.Module):
     def forward(self, weight_g: Tensor, weight_v: Tensor) -> Tensor:
         _check_dim(self.dim, weight_v.dim(), "WeightNorm")
         _check_g(weight_v, weight_g, self.dim, "WeightNorm")
-        if self.backend == "reference":
+        if self.backend == "reference" or compiling():  # (plain ops under forward-mode AD)
             return reference_weight_norm(weight_v, weight_g, self.dim)
         return _WeightNormFunction.apply(weight_v, weight_g, self.dim)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from .. import _stats
@@ -31,8 +32,8 @@ BACKENDS = ("auto", "reference", "eager", "triton")
 
 def compiling() -> bool:
     """True while torch.compile or torch.export traces the code, ``torch.jit.trace``
-    records it, or a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``
-    ...) runs it.
+    records it, a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``
+    ...) runs it, or forward-mode AD is on (inside ``torch.autograd.forward_ad.dual_level``).
 
     Under compilation ``backend="auto"`` takes the reference math on the CPU: it has no
     data-dependent branches (``fullgraph=True`` works) and Inductor fuses its
@@ -48,15 +49,21 @@ def compiling() -> bool:
     operators one call ran and replays them for any input: a fast path's choice, made
     on the traced input's statistics, would be frozen into it (and its checks break the
     tracer's sanity check), so a trace records the reference math, accurate at any
-    offset, too.
+    offset, too. Forward-mode AD needs a ``jvp`` from every autograd Function it meets,
+    which the fast paths' nodes do not have: plain torch operations have theirs.
 
     Example:
         >>> compiling()
         False
         >>> torch.func.vmap(lambda x: x * compiling())(torch.ones(2))
         tensor([1., 1.])
+        >>> import torch.autograd.forward_ad as fwAD
+        >>> with fwAD.dual_level():
+        ...     compiling()
+        True
     """
-    return torch.compiler.is_compiling() or _transforms_active() or _tracing()
+    return (torch.compiler.is_compiling() or _transforms_active() or _tracing()
+            or _forward_ad.__dict__.get("_current_level", -1) >= 0)
 
 
 #: Whether a torch.func transform is active (looked up once: compiling() runs on every

@@ -19,7 +19,7 @@ from torch.fx import Proxy
 
 from .. import _stats
 from ._base import NotScriptable, fx_leaf
-from ._core import check_backend, check_floating, shape_str
+from ._core import check_backend, check_floating, compiling, shape_str
 
 __all__ = ["MeanOnlyBatchNorm1d", "MeanOnlyBatchNorm2d", "reference_mean_only"]
 
@@ -166,7 +166,7 @@ class _MeanOnlyBatchNorm(NotScriptable, nn.Module):
             y = _stats.upcast(input) - self.running_mean.view(view)
             return (y if bias is None else y + bias).to(input.dtype)
         dims = (0, *range(2, input.dim()))
-        if self.backend == "reference":
+        if self.backend == "reference" or compiling():  # (plain ops: no node without a jvp)
             y, mean = reference_mean_only(input, dims, bias)
         else:
             y, mean = _MeanOnlyFunction.apply(input, bias, dims)
