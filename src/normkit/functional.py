@@ -174,7 +174,9 @@ def _dense_params(weight: Tensor | None, bias: Tensor | None) -> tuple[Tensor | 
     strided views, e.g. slices of a hypernetwork's output): torch's raw GroupNorm kernels
     (``torch.native_group_norm`` and its backward, which normkit calls directly; the
     public ``F.group_norm`` copies first) read a strided weight as if it were dense, and
-    returned garbage (torch 2.13).
+    returned garbage (torch 2.13); so does its BatchNorm backward kernel on channels-last
+    input (``native_batch_norm_backward``: torch's own ``F.batch_norm`` returns a wrong
+    input gradient there). Every per-channel functional takes dense copies first.
 
     Example:
         >>> w, b = _dense_params(torch.arange(8.0)[::2], None)
@@ -256,6 +258,7 @@ def batch_norm(
     _check_channels_first(input, who)
     _check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
                        weight=weight, bias=bias)
+    weight, bias = _dense_params(weight, bias)
     if training and eps <= 0.0:
         raise ValueError(f"{who} eps must be positive during training, but got {eps}")
     if eps < 0.0:
@@ -620,6 +623,7 @@ def layer_norm2d(
     who = "layer_norm2d"
     _check_channels_first(input, who)
     _check_per_channel(input, who, weight=weight, bias=bias)
+    weight, bias = _dense_params(weight, bias)
     view = _channel_view(input)
     if input.numel() == 0:
         return _empty_result(input, affine_view(weight, view), affine_view(bias, view))
