@@ -14,10 +14,10 @@ In 16 bits (a ``.bfloat16()`` or ``.half()`` module) the gate arithmetic and the
 state run in float32 between the time steps, as in torch's fused LSTM kernels; the
 outputs and returned states are in the module's dtype. A bfloat16 cell state had 1.5-1.9x
 torch.nn.LSTM's error from float64 over 30 steps; now 0.9-1.1x
-(``tests/test_recurrent.py``). With LayerNorm the recurrence itself can amplify
-rounding step after step (the normalized gates keep it out of the saturated, contracting
-regime), so long 16-bit sequences drift from a float64 run of the same weights whatever
-the arithmetic; train such models in float32 or under autocast.
+(``tests/test_recurrent.py``). With LayerNorm, rounding grows along a sequence far
+more than without it, whatever the arithmetic inside a step: the recurrence itself
+amplifies it, so long 16-bit sequences drift from a float64 run of the same weights;
+train such models in float32 or under autocast.
 """
 
 from __future__ import annotations
