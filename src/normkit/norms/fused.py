@@ -388,12 +388,12 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
     if not center and _rms_blocks_serve(x, residual, res_dtype):
         # (the sum too, block by block: each block is added, normalized and scaled while
         # it is in cache; without a residual the input itself is the sum)
-        y = _new_like(x)
+        y = empty_like(x, None, torch.contiguous_format)
         if residual is None:
             s = x
             _, rstd = _rms_in_chunks(x.view(-1, k), w, eps, into=y.view(-1, k))
         else:
-            s = _new_like(x, res_dtype)
+            s = empty_like(x, res_dtype, torch.contiguous_format)
             _, rstd = _rms_in_chunks(s.view(-1, k), w, eps, x.view(-1, k),
                                      residual.view(-1, k), into=y.view(-1, k))
         return s, y, None, rstd
@@ -429,20 +429,11 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
             y = sc
             flat.mul_(rstd)
         else:
-            y = _new_like(s)
+            y = empty_like(s, None, torch.contiguous_format)
             flat = torch.mul(flat, rstd, out=y.view(-1, k))
         if w is not None:
             flat.mul_(w)
     return s, y, mean, rstd
-
-
-def _new_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """A new contiguous tensor shaped like ``x``, in ``dtype`` (default ``x``'s); on huge
-    pages when large (:func:`normkit.kernels.memory.out_like`)."""
-    y = out_like(x, dtype, torch.contiguous_format)
-    if y is None:
-        y = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
-    return y
 
 
 #: Bytes of input per block of rows in :func:`_rms_in_chunks`: its three passes (the
