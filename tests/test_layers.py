@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -278,3 +279,61 @@ def test_output_can_be_changed_in_place(name, layout, offset):
     y.backward(dy.float())
     (y_ref * 2.0).sigmoid().backward(dy)
     assert_grad_close(xs[0].grad, refs[0].grad, torch.float32, f"{name} input grad")
+
+
+def _renorm_past_warm_up() -> torch.nn.Module:
+    layer = normkit.BatchRenorm2d(16)
+    layer.num_batches_tracked.fill_(10**6)  # (r and d clipped at their final limits)
+    return layer
+
+
+#: Every layer at fast-path sizes, and the layers whose path reads a value to choose.
+_SHAPE_INFERENCE = {
+    **_IN_PLACE_AFTER,
+    "BatchRenorm2d past its warm-up": (_renorm_past_warm_up, (8, 16, 20, 20)),
+    "In-Place ABN": (lambda: normkit.BatchNormAct2d(16, act="leaky_relu", memory="inplace"),
+                     (8, 16, 20, 20)),
+    "SyncBatchNorm": (lambda: normkit.SyncBatchNorm(16), (8, 16, 20, 20)),
+    "LayerNormLSTM": (lambda: normkit.LayerNormLSTM(16, 8, num_layers=2), (5, 3, 16)),
+    "weight-normed Linear": (lambda: normkit.weight_norm(torch.nn.Linear(16, 8)), (6, 16)),
+    "RMSNorm from 2^16 elements": (lambda: normkit.RMSNorm(1024), (128, 1024)),
+}
+
+
+def _shapes_of(module, xs):
+    """The output's and every gradient's shape and dtype, after a backward."""
+    out = module(*xs)
+    first = out[0] if isinstance(out, tuple) else out
+    first.sum().backward()
+    tensors = [first, *(x.grad for x in xs), *(p.grad for p in module.parameters())]
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
+
+@pytest.mark.parametrize("without_data", ["meta", "FakeTensorMode"])
+@pytest.mark.parametrize("name", list(_SHAPE_INFERENCE))
+def test_shape_inference_without_data(name, without_data):
+    """Shape and memory estimation runs a model on tensors without values: on the meta
+    device, or under a ``FakeTensorMode`` (torch's memory and runtime estimators). torch's
+    layers run there; normkit's read statistics back to choose a path (accuracy checks,
+    In-Place ABN's unrecoverable channels, Batch Renormalization's step count), which
+    such tensors refuse. Outputs and gradients have the shapes and dtypes of a real run,
+    and under a FakeTensorMode the real buffers are left as torch's layers leave them
+    (only the step count moves)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    make, shape = _SHAPE_INFERENCE[name]
+    shapes = shape if isinstance(shape[0], tuple) else (shape,)
+    module = make()
+    want = _shapes_of(copy.deepcopy(module), [torch.randn(s).requires_grad_() for s in shapes])
+    if without_data == "meta":
+        module = module.to("meta")
+        got = _shapes_of(module, [torch.empty(s, device="meta").requires_grad_()
+                                  for s in shapes])
+    else:
+        before = copy.deepcopy(module.state_dict())
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            got = _shapes_of(module, [torch.empty(s).requires_grad_() for s in shapes])
+        for key, value in module.state_dict().items():
+            moved = before[key] + 1 if key.endswith("num_batches_tracked") else before[key]
+            assert torch.equal(value, moved), f"{name}: {key} changed under FakeTensorMode"
+    assert got == want

@@ -211,4 +211,8 @@ def update_running_(running: Tensor, value: Tensor, momentum: float) -> None:
         >>> r
         tensor([0.1000, 0.2000])
     """
-    running.mul_(1.0 - momentum).add_(value.to(running.dtype), alpha=momentum)
+    # (one write, from a result that depends on ``value``: under a FakeTensorMode whose
+    # ``value`` is fake, a step on ``running`` alone -- ``running.mul_`` -- would run on
+    # the real buffer and leave it scaled; the same rounding as the two in-place steps)
+    running.copy_(torch.add(running * (1.0 - momentum), value.to(running.dtype),
+                            alpha=momentum))

@@ -45,7 +45,10 @@ def compiling() -> bool:
     :data:`normkit.functional.TRITON_AUTO_OPS`.) Under a ``torch.func`` transform the
     fast paths' accuracy checks cannot read a statistic back (``vmap`` refuses
     ``.item()``), so the reference math serves there too: plain torch operations,
-    which every transform composes with. A ``torch.jit.trace`` graph records the
+    which every transform composes with. Under a ``FakeTensorMode`` (shape and memory
+    estimation without data: ``torch.distributed._tools``' memory and runtime
+    estimators, a model's shapes traced by hand) no statistic exists to read back either:
+    the reference math again, whose every operator has a fake implementation. A ``torch.jit.trace`` graph records the
     operators one call ran and replays them for any input: a fast path's choice, made
     on the traced input's statistics, would be frozen into it (and its checks break the
     tracer's sanity check), so a trace records the reference math, accurate at any
@@ -63,7 +66,7 @@ def compiling() -> bool:
         True
     """
     return (torch.compiler.is_compiling() or _transforms_active() or _tracing()
-            or _forward_ad.__dict__.get("_current_level", -1) >= 0)
+            or _forward_ad.__dict__.get("_current_level", -1) >= 0 or _faking())
 
 
 #: Whether a torch.func transform is active (looked up once: compiling() runs on every
@@ -71,6 +74,30 @@ def compiling() -> bool:
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 #: Whether ``torch.jit.trace`` is recording.
 _tracing = torch.jit.is_tracing
+
+
+def _faking() -> bool:
+    """Whether a ``FakeTensorMode`` is active (tensors with shapes but no data)."""
+    return _dispatch_mode(_FAKE_MODE) is not None
+
+
+def without_data(t: Tensor) -> bool:
+    """Whether ``t``'s values cannot be read: a meta tensor, or any tensor while a
+    ``FakeTensorMode`` is active. Shape inference runs there; the few layer decisions
+    made on a value (Batch Renormalization's step count, In-Place ABN's unrecoverable
+    channels) then take the choice every input shape allows.
+
+    Example:
+        >>> without_data(torch.ones(2)), without_data(torch.ones(2, device="meta"))
+        (False, True)
+    """
+    # (torch.compile's own fake tensors are traced: Dynamo reads what it can, and the
+    # mode lookup is not traceable)
+    return t.is_meta or (not torch.compiler.is_compiling() and _faking())
+
+
+_dispatch_mode = getattr(torch._C, "_get_dispatch_mode", lambda key: None)
+_FAKE_MODE = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
 #: Whether torch.export is tracing (torch >= 2.5; before it, no export is told apart).
 _exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 

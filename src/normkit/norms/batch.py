@@ -16,6 +16,7 @@ from ._core import (
     compiling,
     normalize,
     shape_str,
+    without_data,
 )
 
 __all__ = [
@@ -456,6 +457,10 @@ class _BatchRenormForward(_BatchNormForward):
                 f"expected the buffers running_mean, running_var and num_batches_tracked "
                 f"-- under torch.func use BatchNorm instead, or keep the module out of "
                 f"replace_all_batch_norm_modules_")
+        if without_data(self.num_batches_tracked):
+            # shape inference (meta device, FakeTensorMode): no step to read; the limits
+            # past the warm-up (the warm-up's path makes the same shapes)
+            return self.r_max, self.d_max
         return renorm_limits(int(self.num_batches_tracked), self.r_max, self.d_max,
                              self.warmup_steps, self.r_max_steps, self.d_max_steps)
 

@@ -1251,7 +1251,9 @@ def batch_norm_act(
     """
     who = "batch_norm_act"
     activation = make_activation(act, negative_slope, alpha, memory, who)
-    reference = _reference_backend(backend)
+    # (a meta input: the reference math, whose every step has a meta kernel -- the fused
+    # node reads statistics back to choose its path)
+    reference = _reference_backend(backend) or input.is_meta
     F._check_channels_first(input, who)
     F._check_per_channel(input, who, running_mean=running_mean, running_var=running_var,
                          weight=weight, bias=bias)
