@@ -12,11 +12,13 @@ too (torch.func's documentation: "Patching Batch Norm"); without them it compose
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from cases import float64_twin
 from oracle import assert_close, assert_grad_close
-from torch.func import functional_call, grad, jvp, vmap
+from torch.func import functional_call, grad, jvp, stack_module_state, vmap
 
 import normkit
 
@@ -206,3 +208,55 @@ def test_forward_mode_ad_equals_the_float64_jvp(name):
     _, want = jvp(lambda *xs: first(twin(*xs)), tuple(t.double() for t in inputs),
                   tuple(t.double() for t in tangents))
     assert_grad_close(got.detach(), want.detach(), torch.float32, f"{name} tangent")
+
+
+#: Training-mode layers that update running statistics in place.
+RUNNING = {
+    "BatchNorm2d": lambda: normkit.BatchNorm2d(4),
+    "BatchNormAct2d": lambda: normkit.BatchNormAct2d(4, act="silu"),
+    "In-Place ABN": lambda: normkit.BatchNormAct2d(4, act="leaky_relu", memory="inplace"),
+    "MeanOnlyBatchNorm2d": lambda: normkit.MeanOnlyBatchNorm2d(4),
+    "InstanceNorm2d": lambda: normkit.InstanceNorm2d(4, track_running_stats=True),
+    "BatchRenorm2d": lambda: normkit.BatchRenorm2d(4),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNNING))
+def test_vmap_over_unbatched_running_statistics_says_how_to_remove_them(name):
+    """vmap of a training layer whose running buffers are not batched cannot update them
+    (torch's BatchNorm refuses too, with its own message); the error names the remedies
+    -- and the one it names for layers torch.func does not patch works."""
+    module = RUNNING[name]()
+    xs = torch.randn(3, 6, 4, 5, 5)
+    with pytest.raises(RuntimeError, match="running statistics.*replace_all_batch_norm"):
+        vmap(module)(xs)
+    if name in ("MeanOnlyBatchNorm2d", "InstanceNorm2d"):
+        module.track_running_stats = False
+        module.running_mean = module.running_var = None
+        torch.testing.assert_close(vmap(module)(xs), torch.stack([module(x) for x in xs]))
+
+
+@pytest.mark.parametrize("name", list(RUNNING))
+def test_ensemble_training_with_stacked_buffers_equals_each_member(name):
+    """Model ensembling (``stack_module_state`` + ``functional_call`` under ``vmap``) in
+    training mode: each member's running statistics are its own batched buffer, updated
+    as the member alone would update them. Batch Renormalization reads its step count to
+    set its limits, which vmap refuses: a clear error."""
+    members = [RUNNING[name]() for _ in range(3)]
+    params, buffers = stack_module_state(members)
+    base = copy.deepcopy(members[0]).to("meta")
+    xs = torch.randn(3, 6, 4, 5, 5) * 2 + 1
+
+    def call(p, b, x):
+        return functional_call(base, (p, b), (x,))
+
+    if name == "BatchRenorm2d":
+        with pytest.raises(RuntimeError, match="step count.*batched"):
+            vmap(call)(params, buffers, xs)
+        return
+    got = vmap(call)(params, buffers, xs)
+    want = torch.stack([m(x) for m, x in zip(members, xs, strict=True)])
+    torch.testing.assert_close(got, want)
+    for key, value in buffers.items():
+        torch.testing.assert_close(
+            value, torch.stack([dict(m.named_buffers())[key] for m in members]), msg=key)

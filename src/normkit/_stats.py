@@ -214,5 +214,23 @@ def update_running_(running: Tensor, value: Tensor, momentum: float) -> None:
     # (one write, from a result that depends on ``value``: under a FakeTensorMode whose
     # ``value`` is fake, a step on ``running`` alone -- ``running.mul_`` -- would run on
     # the real buffer and leave it scaled; the same rounding as the two in-place steps)
-    running.copy_(torch.add(running * (1.0 - momentum), value.to(running.dtype),
-                            alpha=momentum))
+    new = torch.add(running * (1.0 - momentum), value.to(running.dtype), alpha=momentum)
+    try:
+        running.copy_(new)
+    except RuntimeError as error:
+        if not _functorch_transforms_active():
+            raise
+        # vmap: a batched batch statistic cannot be written into an unbatched buffer;
+        # torch's own error names vmap's in-place rule, not the layer or the way out
+        raise RuntimeError(
+            "a normalization layer in training mode got a batched input under "
+            "torch.func.vmap while its running statistics, which are updated in place, "
+            "are not batched; expected either batched buffers (stack_module_state + "
+            "functional_call) or no running statistics: "
+            "torch.func.replace_all_batch_norm_modules_(model) for BatchNorm layers, or "
+            "set track_running_stats = False and the running buffers to None on the layer "
+            "(MeanOnlyBatchNorm, InstanceNorm), or call model.eval()") from error
+
+
+_functorch_transforms_active = getattr(torch._C, "_are_functorch_transforms_active",
+                                       lambda: False)

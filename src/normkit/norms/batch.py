@@ -461,7 +461,18 @@ class _BatchRenormForward(_BatchNormForward):
             # shape inference (meta device, FakeTensorMode): no step to read; the limits
             # past the warm-up (the warm-up's path makes the same shapes)
             return self.r_max, self.d_max
-        return renorm_limits(int(self.num_batches_tracked), self.r_max, self.d_max,
+        try:
+            step = int(self.num_batches_tracked)
+        except RuntimeError as error:
+            if not compiling():
+                raise
+            # (vmap over an ensemble's stacked buffers: one step count per member)
+            raise RuntimeError(
+                f"{type(self).__name__} reads its step count to set the clipping limits, "
+                f"which a torch.func transform refuses (expected one unbatched "
+                f"num_batches_tracked, got a batched one: an ensemble's stacked buffers?); "
+                f"run the members one at a time, or use BatchNorm under vmap") from error
+        return renorm_limits(step, self.r_max, self.d_max,
                              self.warmup_steps, self.r_max_steps, self.d_max_steps)
 
     def forward(self, input: Tensor) -> Tensor:
