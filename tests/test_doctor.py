@@ -262,11 +262,24 @@ def test_bn_output_statistics_follow_gamma_and_beta():
     assert (out.channel_std_min, out.channel_std_max) == pytest.approx((1.0, 4.0), rel=1e-3)
 
 
-def test_layer_called_twice_counts_calls():
+def test_layer_called_twice_counts_calls_and_pools_them():
+    """A reused layer, or a norm inside a recurrent cell (once per step, the first on a
+    zero hidden state): its input and output statistics cover every call, not the
+    first alone (which showed a recurrent LayerNorm's input as all zeros)."""
+    torch.manual_seed(0)
     ln = nn.LayerNorm(4)
     model = nn.Sequential(ln, nn.Linear(4, 4), ln)
-    layer = doctor(model, torch.randn(3, 4)).layers[0]
+    x = torch.randn(3, 4) * 2 + 1
+    report = doctor(model, x)
+    layer = report.layers[0]
     assert layer.calls == 2 and layer.name == "0"
+    with torch.no_grad():
+        seen = torch.cat([x, model[1](ln(x))]).double()
+    assert layer.input.numel == seen.numel()
+    assert layer.input.mean == pytest.approx(float(seen.mean()), abs=1e-6)
+    assert layer.input.std == pytest.approx(float(seen.std(unbiased=False)), rel=1e-5)
+    assert layer.output.numel == seen.numel()
+    assert "0 (2 calls)" in report.render()
 
 
 # --------------------------------------------------------------------------- no side effects
@@ -520,6 +533,26 @@ def test_cli_exit_2_on_an_import_failure(cli_runs):
     assert proc.returncode == 2
     assert "expected an importable module 'no_such_module_xyz'" in proc.stderr
     assert "ModuleNotFoundError" in proc.stderr
+
+
+def test_cli_reader_gone_keeps_the_json_and_prints_no_traceback(tmp_path):
+    """``normkit doctor ... --json r.json | head``: when the reader of stdout is gone,
+    the JSON file is still written and no BrokenPipeError traceback is printed; the
+    exit status is a Unix tool's on SIGPIPE."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    read, write = os.pipe()
+    os.close(read)  # every write to stdout fails at once
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "normkit", "doctor", "doctor_models:healthy_cnn",
+             "--input-shape", "4,3,8,8", "--json", str(tmp_path / "r.json")],
+            cwd=TESTS, stdout=write, stderr=subprocess.PIPE, text=True, env=env,
+            timeout=120)
+    finally:
+        os.close(write)
+    assert "Traceback" not in proc.stderr and proc.returncode == 141, proc.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["ok"]
 
 
 @pytest.mark.parametrize("argv, message", [

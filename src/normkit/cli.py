@@ -173,9 +173,9 @@ def doctor_main(argv: Sequence[str] | None = None, *, prog: str = "normkit docto
     if args.json == "-":
         print(report.to_json())
     else:
-        doctor_tool.print_report(report)
-        if args.json is not None:
+        if args.json is not None:  # (first: a reader that stops early cannot lose it)
             write_text_atomic(args.json, report.to_json() + "\n")
+        doctor_tool.print_report(report)
     return 0 if report.ok else 1
 
 
@@ -195,6 +195,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> code, err.getvalue().startswith("usage: normkit")
         (2, True)
     """
+    try:
+        return _dispatch(argv)
+    except BrokenPipeError:
+        # the reader of stdout went away (`normkit doctor ... | head`): no traceback, and
+        # the exit status of a Unix tool ended by SIGPIPE; stdout now goes nowhere, so the
+        # interpreter's last flush cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     parser = _build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command is None:

@@ -270,6 +270,30 @@ class TensorStats:
         return cls(mean, std, float(means.min()), float(means.max()), float(stds.min()),
                    float(stds.max()), nonfinite, x.numel())
 
+    def pooled(self, other: TensorStats | None) -> TensorStats:
+        """The statistics of this tensor and ``other`` together (a layer's calls pooled):
+        count-weighted mean and biased variance, extremes of the per-channel summaries.
+
+        Example:
+            >>> a = TensorStats.of(torch.tensor([[0.0, 2.0]]), axis=1)
+            >>> b = TensorStats.of(torch.tensor([[4.0, 6.0]]), axis=1)
+            >>> both = a.pooled(b)
+            >>> both.mean, round(both.std ** 2, 12), both.channel_mean_max, both.numel
+            (3.0, 5.0, 6.0, 4)
+        """
+        if other is None:
+            return self
+        n = self.numel + other.numel
+        mean = (self.numel * self.mean + other.numel * other.mean) / n
+        var = (self.numel * (self.std ** 2 + (self.mean - mean) ** 2)
+               + other.numel * (other.std ** 2 + (other.mean - mean) ** 2)) / n
+        return TensorStats(
+            mean, math.sqrt(var), min(self.channel_mean_min, other.channel_mean_min),
+            max(self.channel_mean_max, other.channel_mean_max),
+            min(self.channel_std_min, other.channel_std_min),
+            max(self.channel_std_max, other.channel_std_max),
+            self.nonfinite + other.nonfinite, n)
+
 
 @dataclass(frozen=True)
 class RunningCheck:
@@ -372,7 +396,9 @@ class LayerReport:
             shared by its samples), ``"running"`` (stored running statistics) or
             ``"sample"`` (each sample's own statistics: LN, RMS, GN, IN).
         grad_enabled: whether autograd was on when the layer ran.
-        calls: how many times the layer ran (the other fields describe the first call).
+        calls: how many times the layer ran: a layer reused in the model, or a norm inside
+            a recurrent cell (once per time step). ``input`` and ``output`` pool every
+            call; the other fields describe the first.
         input_shape: shape of its input.
         values_per_stat: the number of values each statistic is computed over at this
             batch: ``N*H*W`` per channel for BatchNorm (what the batch statistics compared
@@ -485,14 +511,18 @@ _HEADER = ("layer", "type", "mode", "stats", "values/stat", "in mean", "in std",
            "out std", "shift", "var ratio", "min abs(gamma)")
 _LEGEND = ("values/stat: values each statistic is computed over at this batch. shift: RMS "
            "over channels of |batch mean - running mean| / sqrt(running var + eps). var ratio: "
-           "geometric mean over channels of batch var / running var.")
+           "geometric mean over channels of batch var / running var. (N calls): a layer "
+           "that ran N times (reused, or once per time step); in/out pool every call.")
 
 
 def _row(layer: LayerReport) -> tuple[str, ...]:
     def get(stats, attr):
         return None if stats is None else getattr(stats, attr)
 
-    return (layer.name or "<model>", layer.type, layer.mode, layer.statistics,
+    name = layer.name or "<model>"
+    if layer.calls > 1:
+        name += f" ({layer.calls} calls)"
+    return (name, layer.type, layer.mode, layer.statistics,
             str(layer.values_per_stat), _fmt(get(layer.input, "mean")),
             _fmt(get(layer.input, "std")), _fmt(get(layer.output, "mean")),
             _fmt(get(layer.output, "std")), _fmt(get(layer.running, "mean_shift_rms")),
@@ -1026,6 +1056,10 @@ def _merge(findings: list[tuple[int, Finding]]) -> list[Finding]:
     return [f for _, f in merged]
 
 
+def _pool(first: TensorStats | None, later: TensorStats | None) -> TensorStats | None:
+    return later if first is None else first.pooled(later)
+
+
 class _Run:
     """The hooks of one doctor run and what they collect."""
 
@@ -1091,7 +1125,9 @@ class _Run:
                 call.statistics, call.grad_enabled, 1, call.input_shape, call.values,
                 call.input, output, call.running, call.gamma)
         else:
-            self.layers[call.module] = replace(existing, calls=existing.calls + 1)
+            self.layers[call.module] = replace(
+                existing, calls=existing.calls + 1,
+                input=_pool(existing.input, call.input), output=_pool(existing.output, output))
         for code, message, remedy in _diagnose(call, output):
             self._add(call.name, code, message, remedy)
 
