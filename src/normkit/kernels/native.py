@@ -61,7 +61,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "kernel_params",
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "HALF_BACKWARD_ONE_CALL_BELOW",
-           "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES",
+           "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES", "repair_rows",
            "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like",
            "sample_blocks", "group_norm_by_samples", "float64_total", "inference_kernel"]
@@ -151,7 +151,14 @@ def _plain_dense(x: Tensor) -> bool:
 
 def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
                bias: Tensor | None, eps: float) -> Tensor | None:
-    """torch's fused LayerNorm when accurate for this input, else ``None``.
+    """torch's fused LayerNorm where accurate, else ``None``.
+
+    Row by row: the rows past the accuracy bound (:data:`THRESHOLDS`) are normalized by
+    normkit's compensated core and the others keep the kernel's output
+    (:func:`repair_rows`), so each row's result depends on that row alone, as torch's
+    LayerNorm's does (a row normalized alone or in any batch: the same bits), and one
+    offset row does not send the whole batch through the slower path. ``None`` when
+    every row is past the bound: the caller's compensated path, the same bits.
 
     Example:
         >>> layer_norm(torch.randn(4, 8), (8,), None, None, 1e-5).shape
@@ -164,13 +171,6 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     if x.dtype in _HALF:
         return _layer_norm_16bit(x, shape, weight, bias, eps)
     kernel_weight = weight_for_bias(weight, bias)
-    blocks = layer_norm_blocks(x, shape, kernel_weight, bias, eps)
-    if blocks is None:
-        y, mean, rstd = torch.native_layer_norm(x, shape, kernel_weight, bias, eps)
-        return y if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]) else None
-    _, y, mean, rstd = blocks
-    if not well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
-        return None
 
     def backward(dy, x, weight, bias, mask):
         dx, dw, db = layer_norm_backward(dy, x, shape, mean, rstd,
@@ -179,6 +179,81 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
 
     def reference(x, weight, bias):  # torch's LayerNorm (create_graph=True)
         return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
+
+    blocks = layer_norm_blocks(x, shape, kernel_weight, bias, eps)
+    if blocks is None:
+        y, mean, rstd = torch.native_layer_norm(x, shape, kernel_weight, bias, eps)
+        if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
+            return y  # (torch's own autograd)
+        return repair_rows(x, shape, weight, bias, eps, y.detach(), mean, rstd,
+                           THRESHOLDS["layer_norm"], backward)
+    _, y, mean, rstd = blocks
+    if not well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
+        return repair_rows(x, shape, weight, bias, eps, y, mean, rstd,
+                           THRESHOLDS["layer_norm"], backward)
+    return kernel_node(x, weight, bias, y, backward, reference)
+
+
+def repair_rows(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
+                bias: Tensor | None, eps: float, y: Tensor, mean: Tensor, rstd: Tensor,
+                threshold: float, kernel_backward) -> Tensor | None:
+    """A LayerNorm kernel's output ``y`` over ``x`` (no autograd; one ``mean``/``rstd``
+    per row) with the rows whose ``|mean| * rstd`` is past ``threshold`` (or NaN)
+    normalized again by normkit's compensated core, as one autograd node; ``None`` when
+    every row is past it (the caller's compensated path over the whole input gives
+    those rows the same bits).
+
+    Backward: ``kernel_backward(dy, x, weight, bias, mask)`` (the kernel's, from its
+    statistics) on the gradient with the repaired rows zeroed -- a zero row adds
+    nothing to any gradient -- then those rows' input gradient, and their share of the
+    parameter gradients, from the compensated statistics. The repair costs the row
+    selection and a few copies of the repaired rows; backward, one copy of ``dy``.
+    Double backward differentiates normkit's reference math over every row.
+
+    Example:
+        >>> x = torch.randn(3, 8)
+        >>> x[1] += 1e5  # one row far off its spread
+        >>> y, mean, rstd = torch.native_layer_norm(x, (8,), None, None, 1e-5)
+        >>> y = repair_rows(x, (8,), None, None, 1e-5, y, mean, rstd, 32.0, None)
+        >>> ref = torch.nn.functional.layer_norm(x.double(), (8,))
+        >>> bool((y - ref).abs().max() < 1e-5)
+        True
+    """
+    from ..norms._core import normalize_backward, normalize_forward, reference_normalize
+
+    ratio = torch.mul(mean.detach(), rstd.detach()).abs_().reshape(-1)
+    bad = (ratio > threshold).logical_or_(ratio.isnan()).nonzero().reshape(-1)
+    m = ratio.numel()
+    if bad.numel() == m:
+        return None
+    k = x.numel() // m
+    w = None if weight is None else weight.detach().reshape(k)
+    b = None if bias is None else bias.detach().reshape(k)
+    x_bad = x.detach().reshape(m, k).index_select(0, bad)
+    with torch.no_grad():
+        y_bad, mean_hi, mean_lo, _, rstd_bad = normalize_forward(x_bad, (1,), w, b, eps)
+        y.view(m, k).index_copy_(0, bad, y_bad.to(y.dtype))
+
+    def backward(dy, x, weight, bias, mask):
+        rows = dy.reshape(m, k)
+        dx, dw, db = kernel_backward(rows.index_fill(0, bad, 0).view(x.shape), x, weight,
+                                     bias, mask)
+        w_rows = None if weight is None else weight.reshape(k)
+        b_rows = None if bias is None else bias.reshape(k)
+        dx_bad, dw_bad, db_bad = normalize_backward(
+            rows.index_select(0, bad), x_bad, w_rows, b_rows, mean_hi, mean_lo, rstd_bad,
+            (1,), True, mask)
+        if dx is not None:
+            dx.view(m, k).index_copy_(0, bad, dx_bad.to(dx.dtype))
+        if dw is not None:
+            dw = dw + dw_bad.view(dw.shape)
+        if db is not None:
+            db = db + db_bad.view(db.shape)
+        return dx, dw, db
+
+    def reference(x, weight, bias):  # normkit's reference math (create_graph=True)
+        dims = tuple(range(x.dim() - len(shape), x.dim()))
+        return reference_normalize(x, dims, weight, bias, eps)[0]
 
     return kernel_node(x, weight, bias, y, backward, reference)
 
@@ -791,10 +866,13 @@ def _layer_norm_16bit(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     w, b = kernel_params(x, shape, weight, bias)
     with torch.no_grad():
         y, mean, rstd = torch.native_layer_norm(x, shape, w, b, eps)
-    if not well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
-        return None
+
     def backward(dy, x, weight, bias, mask):
         return layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask)
+
+    if not well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
+        return repair_rows(x, shape, weight, bias, eps, y, mean, rstd,
+                           THRESHOLDS["layer_norm"], backward)
 
     def reference(x, weight, bias):  # torch's composite in float32
         return torch.nn.functional.layer_norm(x.float(), shape,
