@@ -44,16 +44,17 @@ def compiling() -> bool:
     operators too, and torch's BatchNorm/GroupNorm: see
     :data:`normkit.functional.TRITON_AUTO_OPS`.) Under a ``torch.func`` transform the
     fast paths' accuracy checks cannot read a statistic back (``vmap`` refuses
-    ``.item()``), so the reference math serves there too: plain torch operations,
-    which every transform composes with. Under a ``FakeTensorMode`` (shape and memory
+    ``.item()``), so the reference math serves there too: plain torch operations, which
+    every transform composes with. Under a ``FakeTensorMode`` (shape and memory
     estimation without data: ``torch.distributed._tools``' memory and runtime
-    estimators, a model's shapes traced by hand) no statistic exists to read back either:
-    the reference math again, whose every operator has a fake implementation. A ``torch.jit.trace`` graph records the
-    operators one call ran and replays them for any input: a fast path's choice, made
-    on the traced input's statistics, would be frozen into it (and its checks break the
-    tracer's sanity check), so a trace records the reference math, accurate at any
-    offset, too. Forward-mode AD needs a ``jvp`` from every autograd Function it meets,
-    which the fast paths' nodes do not have: plain torch operations have theirs.
+    estimators, a model's shapes traced by hand) no statistic exists to read back
+    either: the reference math again, whose every operator has a fake implementation. A
+    ``torch.jit.trace`` graph records the operators one call ran and replays them for
+    any input: a fast path's choice, made on the traced input's statistics, would be
+    frozen into it (and its checks break the tracer's sanity check), so a trace records
+    the reference math, accurate at any offset, too. Forward-mode AD needs a ``jvp``
+    from every autograd Function it meets, which the fast paths' nodes do not have:
+    plain torch operations have theirs.
 
     Example:
         >>> compiling()
