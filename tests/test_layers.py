@@ -340,12 +340,15 @@ def test_shape_inference_without_data(name, without_data):
     assert got == want
 
 
-#: LayerNorm-type layers, each with an input shape whose rows (samples) can be offset.
+#: LayerNorm-type layers, each with an input shape whose rows (samples) can be offset,
+#: its memory format, and whether it takes a residual (whose sum is normalized).
 _ROW_LAYERS = {
-    "LayerNorm": (lambda: normkit.LayerNorm(64), (40, 64), None),
-    "LayerNorm over (4, 16)": (lambda: normkit.LayerNorm((4, 16)), (12, 3, 4, 16), None),
+    "LayerNorm": (lambda: normkit.LayerNorm(64), (40, 64), None, False),
+    "LayerNorm over (4, 16)": (lambda: normkit.LayerNorm((4, 16)), (12, 3, 4, 16), None,
+                               False),
     "LayerNorm2d channels_last": (lambda: normkit.LayerNorm2d(32), (6, 32, 5, 5),
-                                  torch.channels_last),
+                                  torch.channels_last, False),
+    "AddLayerNorm": (lambda: normkit.AddLayerNorm(64), (40, 64), None, True),
 }
 
 
@@ -368,31 +371,39 @@ def test_each_sample_is_normalized_as_if_alone(name, offset_samples, dtype, path
         # (the blocked kernel from any size, in blocks of a few rows)
         monkeypatch.setattr(native, "fresh_out_like", lambda x, *a, **k: torch.empty_like(x))
         monkeypatch.setattr(native, "LAYER_NORM_BLOCK_BYTES", 1024)
-    make, shape, memory_format = _ROW_LAYERS[name]
+    make, shape, memory_format, residual = _ROW_LAYERS[name]
     torch.manual_seed(0)
     module = make().to(dtype)
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.3 * torch.randn(p.shape).to(dtype))
     twin = float64_twin(module)
-    x64 = torch.randn(shape, dtype=torch.float64)
+    inputs64 = [torch.randn(shape, dtype=torch.float64) for _ in range(1 + residual)]
     for i in offset_samples:
-        x64[i] = x64[i] * 0.01 + 3000.0  # (|mean| / std ~ 3e5: past the kernel's bound)
-    x = x64.to(dtype)
+        # (|mean| / std ~ 3e5 in the normalized sum: past the kernel's bound)
+        inputs64[0][i] = inputs64[0][i] * 0.01 + 3000.0
+        if residual:  # (zero: the sum, rounded to dtype, is then exact as float64's)
+            inputs64[1][i] = 0.0
+    inputs = [t.to(dtype) for t in inputs64]
     if memory_format is not None:
-        x = x.contiguous(memory_format=memory_format)
-    x.requires_grad_()
-    y = module(x)
+        inputs = [t.contiguous(memory_format=memory_format) for t in inputs]
+    inputs = [t.requires_grad_() for t in inputs]
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    y = first(module(*inputs))
     with torch.no_grad():
         for i in range(shape[0]):
-            alone = module(x[i:i + 1].detach())
+            alone = first(module(*(t[i:i + 1].detach() for t in inputs)))
             assert torch.equal(y[i:i + 1], alone), f"{name}: sample {i} differs from alone"
-    ref_x = x.detach().double().requires_grad_()
-    ref = twin(ref_x)
+    refs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = first(twin(*refs))
     assert_close(y, ref, dtype, f"{name} output")
     dy = torch.randn(shape, dtype=torch.float64)
     y.backward(dy.to(dtype))
     ref.backward(dy)
-    assert_grad_close(x.grad, ref_x.grad, dtype, f"{name} input grad")
+    for t, t64 in zip(inputs, refs, strict=True):
+        assert_grad_close(t.grad, t64.grad, dtype, f"{name} input grad")
     for (pname, p), p64 in zip(module.named_parameters(), twin.parameters(), strict=True):
         assert_grad_close(p.grad, p64.grad, dtype, f"{name} {pname} grad")

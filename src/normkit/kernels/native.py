@@ -44,6 +44,7 @@ take the robust path, which propagates them exactly as torch does.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -61,7 +62,8 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "kernel_params",
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "HALF_BACKWARD_ONE_CALL_BELOW",
-           "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES", "repair_rows",
+           "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES", "repair_rows", "RowRepair",
+           "ill_conditioned_rows",
            "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like",
            "sample_blocks", "group_norm_by_samples", "float64_total", "inference_kernel"]
@@ -194,68 +196,127 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     return kernel_node(x, weight, bias, y, backward, reference)
 
 
-def repair_rows(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
-                bias: Tensor | None, eps: float, y: Tensor, mean: Tensor, rstd: Tensor,
-                threshold: float, kernel_backward) -> Tensor | None:
-    """A LayerNorm kernel's output ``y`` over ``x`` (no autograd; one ``mean``/``rstd``
-    per row) with the rows whose ``|mean| * rstd`` is past ``threshold`` (or NaN)
-    normalized again by normkit's compensated core, as one autograd node; ``None`` when
-    every row is past it (the caller's compensated path over the whole input gives
-    those rows the same bits).
+def ill_conditioned_rows(mean: Tensor, rstd: Tensor, threshold: float) -> Tensor:
+    """Indices of the rows (one ``mean``/``rstd`` each, in their flat order) whose
+    ``|mean| * rstd`` is past ``threshold`` or NaN: those a kernel's statistics do not
+    normalize accurately.
 
-    Backward: ``kernel_backward(dy, x, weight, bias, mask)`` (the kernel's, from its
-    statistics) on the gradient with the repaired rows zeroed -- a zero row adds
-    nothing to any gradient -- then those rows' input gradient, and their share of the
-    parameter gradients, from the compensated statistics. The repair costs the row
-    selection and a few copies of the repaired rows; backward, one copy of ``dy``.
-    Double backward differentiates normkit's reference math over every row.
+    Example:
+        >>> ill_conditioned_rows(torch.tensor([1.0, 1e4, float("nan")]), torch.ones(3), 32.0)
+        tensor([1, 2])
+    """
+    ratio = torch.mul(mean.detach(), rstd.detach()).abs_().reshape(-1)
+    return (ratio > threshold).logical_or_(ratio.isnan()).nonzero().reshape(-1)
+
+
+class RowRepair:
+    """Rows of a LayerNorm kernel's output normalized again by normkit's compensated core.
+
+    :meth:`apply` overwrites those rows of the output in place (no autograd) and keeps
+    their compensated statistics; :meth:`backward` gives those rows' gradients from
+    them. The caller runs the kernel's backward on the gradient with the rows zeroed
+    (:meth:`zeroed`): a zero row adds nothing to any gradient.
 
     Example:
         >>> x = torch.randn(3, 8)
         >>> x[1] += 1e5  # one row far off its spread
+        >>> y, mean, rstd = torch.native_layer_norm(x, (8,), None, None, 1e-5)
+        >>> bad = ill_conditioned_rows(mean, rstd, 32.0)
+        >>> repair = RowRepair.apply(y, x, 8, bad, None, None, 1e-5)
+        >>> ref = torch.nn.functional.layer_norm(x.double(), (8,))
+        >>> bad.tolist(), bool((y - ref).abs().max() < 1e-5)
+        ([1], True)
+    """
+
+    def __init__(self, bad: Tensor, k: int, rows: Tensor, mean_hi: Tensor, mean_lo: Tensor,
+                 rstd: Tensor) -> None:
+        self.bad, self.k, self.rows = bad, k, rows
+        self.mean_hi, self.mean_lo, self.rstd = mean_hi, mean_lo, rstd
+
+    @classmethod
+    def apply(cls, y: Tensor, x: Tensor, k: int, bad: Tensor, weight: Tensor | None,
+              bias: Tensor | None, eps: float) -> RowRepair:
+        """Rows ``bad`` of ``x``'s ``(M, k)`` view, normalized into those of ``y``'s."""
+        from ..norms._core import normalize_forward
+
+        rows = x.detach().reshape(-1, k).index_select(0, bad)
+        with torch.no_grad():
+            y_bad, mean_hi, mean_lo, _, rstd = normalize_forward(
+                rows, (1,), _flat(weight, k), _flat(bias, k), eps)
+            y.view(-1, k).index_copy_(0, bad, y_bad.to(y.dtype))
+        return cls(bad, k, rows, mean_hi, mean_lo, rstd)
+
+    def zeroed(self, dy: Tensor) -> Tensor:
+        """A copy of ``dy`` with the repaired rows zero (``dy`` itself is left as it is)."""
+        return dy.reshape(-1, self.k).index_fill(0, self.bad, 0).view(dy.shape)
+
+    def backward(self, dy: Tensor, weight: Tensor | None, bias: Tensor | None,
+                 mask: Sequence[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """``(dx, dweight, dbias)`` of the repaired rows: ``dx`` as ``(rows, k)``, the
+        parameter gradients their share, in the parameters' shapes."""
+        from ..norms._core import normalize_backward
+
+        dx, dw, db = normalize_backward(
+            dy.reshape(-1, self.k).index_select(0, self.bad), self.rows, _flat(weight, self.k),
+            _flat(bias, self.k), self.mean_hi, self.mean_lo, self.rstd, (1,), True, mask)
+        return (dx, None if dw is None else dw.view(weight.shape),
+                None if db is None else db.view(bias.shape))
+
+
+def _flat(t: Tensor | None, k: int) -> Tensor | None:
+    return None if t is None else t.detach().reshape(k)
+
+
+def repair_rows(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
+                bias: Tensor | None, eps: float, y: Tensor, mean: Tensor, rstd: Tensor,
+                threshold: float, kernel_backward) -> Tensor | None:
+    """A LayerNorm kernel's output ``y`` over ``x`` (no autograd; one ``mean``/``rstd``
+    per row) with the rows past ``threshold`` (:func:`ill_conditioned_rows`) normalized
+    again by normkit's compensated core (:class:`RowRepair`), as one autograd node;
+    ``None`` when every row is past it (the caller's compensated path over the whole
+    input gives those rows the same bits).
+
+    Backward: ``kernel_backward(dy, x, weight, bias, mask)`` (the kernel's, from its
+    statistics) on the gradient with the repaired rows zeroed, then those rows' input
+    gradient, and their share of the parameter gradients, from the compensated
+    statistics. The repair costs the row selection and a few copies of the repaired
+    rows; backward, one copy of ``dy``. Double backward differentiates normkit's
+    reference math over every row.
+
+    Example:
+        >>> x = torch.randn(3, 8)
+        >>> x[1] += 1e5
         >>> y, mean, rstd = torch.native_layer_norm(x, (8,), None, None, 1e-5)
         >>> y = repair_rows(x, (8,), None, None, 1e-5, y, mean, rstd, 32.0, None)
         >>> ref = torch.nn.functional.layer_norm(x.double(), (8,))
         >>> bool((y - ref).abs().max() < 1e-5)
         True
     """
-    from ..norms._core import normalize_backward, normalize_forward, reference_normalize
+    from ..norms._core import reference_normalize
 
-    ratio = torch.mul(mean.detach(), rstd.detach()).abs_().reshape(-1)
-    bad = (ratio > threshold).logical_or_(ratio.isnan()).nonzero().reshape(-1)
-    m = ratio.numel()
+    bad = ill_conditioned_rows(mean, rstd, threshold)
+    m = mean.numel()
     if bad.numel() == m:
         return None
     k = x.numel() // m
-    w = None if weight is None else weight.detach().reshape(k)
-    b = None if bias is None else bias.detach().reshape(k)
-    x_bad = x.detach().reshape(m, k).index_select(0, bad)
-    with torch.no_grad():
-        y_bad, mean_hi, mean_lo, _, rstd_bad = normalize_forward(x_bad, (1,), w, b, eps)
-        y.view(m, k).index_copy_(0, bad, y_bad.to(y.dtype))
+    repair = RowRepair.apply(y, x, k, bad, weight, bias, eps)
 
     def backward(dy, x, weight, bias, mask):
-        rows = dy.reshape(m, k)
-        dx, dw, db = kernel_backward(rows.index_fill(0, bad, 0).view(x.shape), x, weight,
-                                     bias, mask)
-        w_rows = None if weight is None else weight.reshape(k)
-        b_rows = None if bias is None else bias.reshape(k)
-        dx_bad, dw_bad, db_bad = normalize_backward(
-            rows.index_select(0, bad), x_bad, w_rows, b_rows, mean_hi, mean_lo, rstd_bad,
-            (1,), True, mask)
+        dx, dw, db = kernel_backward(repair.zeroed(dy), x, weight, bias, mask)
+        dx_bad, dw_bad, db_bad = repair.backward(dy, weight, bias, mask)
         if dx is not None:
             dx.view(m, k).index_copy_(0, bad, dx_bad.to(dx.dtype))
-        if dw is not None:
-            dw = dw + dw_bad.view(dw.shape)
-        if db is not None:
-            db = db + db_bad.view(db.shape)
-        return dx, dw, db
+        return dx, _plus(dw, dw_bad), _plus(db, db_bad)
 
     def reference(x, weight, bias):  # normkit's reference math (create_graph=True)
         dims = tuple(range(x.dim() - len(shape), x.dim()))
         return reference_normalize(x, dims, weight, bias, eps)[0]
 
     return kernel_node(x, weight, bias, y, backward, reference)
+
+
+def _plus(total: Tensor | None, part: Tensor | None) -> Tensor | None:
+    return total if total is None or part is None else total + part
 
 
 #: Bytes of input per block of rows in :func:`layer_norm_blocks` and LayerNorm's blocked

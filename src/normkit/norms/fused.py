@@ -372,11 +372,14 @@ def _residual_sum(x: Tensor, residual: Tensor | None, dtype: torch.dtype) -> Ten
 
 
 def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, use_native
-                      ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """``(s, y, mean, rstd)`` of ``s = x + residual``, ``y = norm(s)`` in ``s``'s dtype.
+                      ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None,
+                                 native.RowRepair | None]:
+    """``(s, y, mean, rstd, repair)`` of ``s = x + residual``, ``y = norm(s)`` in ``s``'s
+    dtype.
 
     ``mean``/``rstd`` are torch's LayerNorm statistics (``None`` when the compensated
-    path served LayerNorm; RMSNorm has ``rstd`` only).
+    path served LayerNorm; RMSNorm has ``rstd`` only); ``repair`` the rows past the
+    kernel's accuracy bound that the compensated core normalized (else ``None``).
     """
     k = _stats.reduced_count(shape, range(len(shape)))
     # (the flat views are made where they are used: each op costs host time, several
@@ -396,25 +399,30 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
             s = empty_like(x, res_dtype, torch.contiguous_format)
             _, rstd = _rms_in_chunks(s.view(-1, k), w, eps, x.view(-1, k),
                                      residual.view(-1, k), into=y.view(-1, k))
-        return s, y, None, rstd
+        return s, y, None, rstd, None
     blocks = None
     if center and use_native and x.dtype == res_dtype and _same_dtype(x, weight, bias):
         # (large float32/float64 sums: block by block onto fresh huge pages, or None)
         blocks = native.layer_norm_blocks(x, shape, native.weight_for_bias(weight, bias),
                                           bias, eps, residual)
     s = _residual_sum(x, residual, res_dtype) if blocks is None else blocks[0]
-    mean = rstd = None
+    mean = rstd = repair = None
     if center:
         y = None
         if blocks is not None:
             _, y, mean, rstd = blocks
-            if not native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
-                y = mean = rstd = None
         elif use_native and native.kernel_dtypes(s, weight, bias):  # (16-bit s too)
             # (16-bit s: float32 parameters, so that the statistics come back in float32)
             w_kernel, b_kernel = native.kernel_params(s, shape, weight, bias)
             y, mean, rstd = torch.native_layer_norm(s, shape, w_kernel, b_kernel, eps)
-            if not native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
+        if y is not None and not native.well_conditioned(
+                mean, rstd, native.THRESHOLDS["layer_norm"]):
+            # the rows past the kernel's bound through the compensated core, the others
+            # as they are: each row's result is its own (native.repair_rows)
+            bad = native.ill_conditioned_rows(mean, rstd, native.THRESHOLDS["layer_norm"])
+            if bad.numel() < mean.numel():
+                repair = native.RowRepair.apply(y, s, k, bad, weight, bias, eps)
+            else:
                 y = mean = rstd = None
         if y is None:  # compensated statistics (normkit's core), recomputed in backward
             dims = tuple(range(s.dim() - len(shape), s.dim()))
@@ -433,7 +441,7 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
             flat = torch.mul(flat, rstd, out=y.view(-1, k))
         if w is not None:
             flat.mul_(w)
-    return s, y, mean, rstd
+    return s, y, mean, rstd, repair
 
 
 #: Bytes of input per block of rows in :func:`_rms_in_chunks`: its three passes (the
@@ -494,7 +502,7 @@ def _add_norm_apply(x, residual, weight, bias, shape, eps, center, res_dtype, us
                                        for t in (x, residual, weight, bias)):
         return _AddNormFunction.apply(x, residual, weight, bias, shape, eps, center,
                                       res_dtype, use_native)
-    s, y, _, _ = _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype,
+    s, y, _, _, _ = _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype,
                                    use_native)
     normed = y if y.dtype == x.dtype else y.to(x.dtype)
     return (normed, s) if s is not x else normed
@@ -509,10 +517,10 @@ class _AddNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, shape, eps, center, res_dtype, use_native):
         ctx.set_materialize_grads(False)
-        s, y, mean, rstd = _add_norm_forward(x, residual, weight, bias, shape, eps, center,
-                                             res_dtype, use_native)
+        s, y, mean, rstd, repair = _add_norm_forward(x, residual, weight, bias, shape, eps,
+                                                     center, res_dtype, use_native)
         k = _stats.reduced_count(shape, range(len(shape)))
-        ctx.shape, ctx.eps, ctx.center, ctx.k = shape, eps, center, k
+        ctx.shape, ctx.eps, ctx.center, ctx.k, ctx.repair = shape, eps, center, k, repair
         ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
         ctx.save_for_backward(s, weight, bias, mean, rstd)
         normed = y if y.dtype == x.dtype else y.to(x.dtype)
@@ -536,10 +544,16 @@ class _AddNormFunction(torch.autograd.Function):
                 ds = ds.add_(dres)
         elif ctx.center:
             mask = [True, need_w, need_b]
+            g = dnormed.to(s.dtype)
             # (16-bit s in float32 blocks: torch's 16-bit kernel sums dweight in 16 bits)
             ds, dw, db = native.layer_norm_backward(
-                dnormed.to(s.dtype), s, ctx.shape, mean, rstd, weight, bias, mask,
-                None if dres is None else dres.to(s.dtype))
+                g if ctx.repair is None else ctx.repair.zeroed(g), s, ctx.shape, mean, rstd,
+                weight, bias, mask, None if dres is None else dres.to(s.dtype))
+            if ctx.repair is not None:  # (their kernel rows got a zero gradient: dres alone)
+                ds_bad, dw_bad, db_bad = ctx.repair.backward(g, weight, bias, mask)
+                ds.view(-1, ctx.k).index_add_(0, ctx.repair.bad, ds_bad.to(ds.dtype))
+                dw = dw if dw is None else dw + dw_bad
+                db = db if db is None else db + db_bad
         else:
             ds, dw = _rms_backward(ctx, s, weight, rstd, dnormed, dres, need_w)
         dx = None if not need_x or ds is None else ds.to(x_dtype)
