@@ -113,6 +113,46 @@ def test_patch_and_unpatch_round_trip_with_equal_outputs_and_state():
         normkit.unpatch(net)
 
 
+class _Positive(nn.Module):
+    def forward(self, w):
+        return torch.nn.functional.softplus(w)
+
+
+def test_patch_and_unpatch_keep_parametrizations():
+    """Norm layers with a parametrized weight or bias (``torch.nn.utils.parametrize``: a
+    positive gamma, say) are ``Parametrized<Class>`` instances: patch said the model held
+    no norm layers. They are patched now, parametrizations and all: same state_dict,
+    same outputs, gradients reaching the unconstrained parameter; unpatch undoes it."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    net = nn.Sequential(_cnn(), nn.Flatten(), nn.LazyLinear(6), nn.LayerNorm(6))
+    net(torch.randn(2, 3, 9, 9))  # (initializes the lazy layer)
+    parametrize.register_parametrization(net[0][1], "weight", _Positive())
+    parametrize.register_parametrization(net[0][4], "bias", _Positive())
+    parametrize.register_parametrization(net[3], "weight", _Positive())
+    patched = normkit.patch(net)
+    for i, cls in (((0, 1), normkit.BatchNorm2d), ((0, 4), normkit.GroupNorm),
+                   ((3,), normkit.LayerNorm)):
+        layer = patched[i[0]] if len(i) == 1 else patched[i[0]][i[1]]
+        assert parametrize.is_parametrized(layer) and type(layer).__bases__[0] is cls
+    assert patched.state_dict().keys() == net.state_dict().keys()
+    x = torch.randn(4, 3, 9, 9)
+    for mode in (True, False):
+        net.train(mode), patched.train(mode)
+        torch.testing.assert_close(patched(x), net(x), atol=2e-5, rtol=2e-5)
+    patched(x).sum().backward()
+    assert patched[0][1].parametrizations.weight.original.grad is not None
+    back = normkit.unpatch(patched)
+    assert type(back[0][1]).__bases__[0] is nn.BatchNorm2d
+    assert parametrize.is_parametrized(back[3], "weight")
+    torch.testing.assert_close(back(x), net(x), atol=2e-5, rtol=2e-5)
+    with pytest.warns(UserWarning, match=r"parametrizations of the BatchNorm2d at '0.1' "
+                                         r"\(on weight\) are not carried over"):
+        gn = normkit.convert_norms(net, "gn", where=nn.BatchNorm2d)
+    torch.testing.assert_close(gn[0][1].weight, net[0][1].weight)
+
+
 def test_unpatch_warns_where_torch_would_store_another_running_var():
     """torch's BatchNorm stores the unbiased batch variance: a layer built with
     ``unbiased_running_var=False`` would change what it stores, so unpatch says so."""

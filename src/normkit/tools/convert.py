@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .._surgery import replace_modules
 from ..norms import batch as nk_batch
@@ -154,7 +155,9 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
     Anything else raises a ValueError naming the layer. ``weight``/``bias`` are copied
     when the target has them with the same shape; a non-trivial one that cannot be kept
     (LayerNorm's bias into RMSNorm) is reported with a warning. Running statistics are
-    not copied (they belong to BatchNorm).
+    not copied (they belong to BatchNorm). Parametrizations
+    (``torch.nn.utils.parametrize``) are not carried over either, with a warning: the
+    new layer gets the current values.
 
     Args:
         model: the model (not modified).
@@ -200,6 +203,13 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
             warnings.warn(f"convert_norms: {type(target).__name__} at {name!r} has no place "
                           f"for the {type(source).__name__}'s {' and '.join(dropped)}; "
                           "dropped", stacklevel=5)
+        if parametrize.is_parametrized(source) and not isinstance(target, nn.Identity):
+            # (another family's parameters: the constraint may not even apply; say so)
+            warnings.warn(f"convert_norms: the parametrizations of the "
+                          f"{_layer_class(source).__name__} at {name!r} (on "
+                          f"{', '.join(source.parametrizations)}) are not carried over to "
+                          f"the {type(target).__name__}; their current values are",
+                          stacklevel=5)
         return target.train(source.training)
 
     what = "normalization layers" + ("" if where is None else " selected by where")
@@ -207,10 +217,22 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
                           tool="convert_norms")
 
 
+def _layer_class(module: nn.Module) -> type:
+    """``module``'s class, or for a parametrized layer (``torch.nn.utils.parametrize``:
+    a ``Parametrized<Class>`` made for it) the class it was made from."""
+    cls = type(module)
+    return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
+
+
 def _retype(module: nn.Module, cls: type, add_normkit: bool) -> nn.Module:
-    """The same layer as an instance of ``cls``: state, hooks and attributes carried over."""
+    """The same layer as an instance of ``cls``: state, hooks and attributes carried over,
+    and its parametrizations (a ``Parametrized<cls>`` with the same properties)."""
     new = cls.__new__(cls)
     new.__dict__.update(module.__dict__)
+    if parametrize.is_parametrized(module):
+        parametrize._inject_new_class(new)
+        for name in module.parametrizations:
+            parametrize._inject_property(new, name)
     if add_normkit:
         new.backend = getattr(module, "backend", "auto")
         if issubclass(cls, nk_batch._BatchNormForward):
@@ -225,7 +247,9 @@ def patch(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every torch.nn norm replaced by its normkit drop-in.
 
     Exact torch classes only (``BatchNorm*d``, ``SyncBatchNorm``, ``LayerNorm``,
-    ``RMSNorm``, ``GroupNorm``, ``InstanceNorm*d``); user subclasses are left alone.
+    ``RMSNorm``, ``GroupNorm``, ``InstanceNorm*d``), parametrized ones too
+    (``torch.nn.utils.parametrize``: the parametrizations are kept); user subclasses are
+    left alone.
     Parameters, buffers, hooks and settings carry over, so the ``state_dict`` and the
     outputs are the same (up to normkit's more precise statistics). Raises ValueError
     when there is nothing to patch.
@@ -236,8 +260,8 @@ def patch(model: nn.Module) -> nn.Module:
         >>> type(normkit.patch(net)[1]).__module__
         'normkit.norms.layer'
     """
-    return replace_modules(model, lambda m: type(m) in _DROP_INS,
-                           lambda m: _retype(m, _DROP_INS[type(m)], True),
+    return replace_modules(model, lambda m: _layer_class(m) in _DROP_INS,
+                           lambda m: _retype(m, _DROP_INS[_layer_class(m)], True),
                            "torch.nn normalization layers to patch", tool="patch")
 
 
@@ -256,12 +280,13 @@ def unpatch(model: nn.Module) -> nn.Module:
         >>> type(normkit.unpatch(net)[0]) is torch.nn.GroupNorm
         True
     """
-    biased = sorted({type(m).__name__ for m in model.modules()
-                     if type(m) in _TORCH_OF and getattr(m, "unbiased_running_var", True) is False})
+    biased = sorted({_layer_class(m).__name__ for m in model.modules()
+                     if _layer_class(m) in _TORCH_OF
+                     and getattr(m, "unbiased_running_var", True) is False})
     if biased:
         warnings.warn(f"unpatch: {', '.join(biased)} built with unbiased_running_var=False "
                       "become torch.nn layers, which store the unbiased batch variance in "
                       "running_var from their next training step on", stacklevel=2)
-    return replace_modules(model, lambda m: type(m) in _TORCH_OF,
-                           lambda m: _retype(m, _TORCH_OF[type(m)], False),
+    return replace_modules(model, lambda m: _layer_class(m) in _TORCH_OF,
+                           lambda m: _retype(m, _TORCH_OF[_layer_class(m)], False),
                            "normkit drop-in layers to unpatch", tool="unpatch")
