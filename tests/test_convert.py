@@ -147,6 +147,16 @@ def test_patch_and_unpatch_keep_parametrizations():
     assert type(back[0][1]).__bases__[0] is nn.BatchNorm2d
     assert parametrize.is_parametrized(back[3], "weight")
     torch.testing.assert_close(back(x), net(x), atol=2e-5, rtol=2e-5)
+    synced = normkit.convert_sync_batchnorm(net)
+    assert parametrize.is_parametrized(synced[0][1], "weight")
+    assert synced.state_dict().keys() == net.state_dict().keys()
+    torch.testing.assert_close(normkit.revert_sync_batchnorm(synced)(x), net(x))
+    # (each converted layer has a class of its own: the shared classes stay plain)
+    for cls in (normkit.BatchNorm2d, normkit.GroupNorm, normkit.LayerNorm,
+                normkit.SyncBatchNorm, normkit.BatchNorm, nn.BatchNorm2d, nn.GroupNorm):
+        assert not any(isinstance(cls.__dict__.get(n), property) for n in ("weight", "bias"))
+        assert not parametrize.is_parametrized(cls(2, 2) if cls is nn.GroupNorm
+                                               or cls is normkit.GroupNorm else cls(2))
     with pytest.warns(UserWarning, match=r"parametrizations of the BatchNorm2d at '0.1' "
                                          r"\(on weight\) are not carried over"):
         gn = normkit.convert_norms(net, "gn", where=nn.BatchNorm2d)

@@ -6,8 +6,45 @@ import copy
 from collections.abc import Callable
 
 from torch import nn
+from torch.nn.utils import parametrize
 
-__all__ = ["check_initialized", "replace_modules"]
+__all__ = ["check_initialized", "replace_modules", "move_parametrizations"]
+
+
+def move_parametrizations(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target`` the parametrizations of ``source`` (``torch.nn.utils.parametrize``):
+    its plain tensors of those names give way to the parametrized ones, and its class
+    becomes ``Parametrized<its class>``, as ``register_parametrization`` makes it. The
+    parametrizations (their unconstrained originals included) are moved, not copied:
+    ``source`` is the copy of a layer being replaced, ``target`` a fresh layer of a plain
+    (not yet parametrized) class.
+
+    Example:
+        >>> import torch
+        >>> class Positive(nn.Module):
+        ...     def forward(self, w):
+        ...         return w.exp()
+        >>> bn = nn.BatchNorm1d(3)
+        >>> parametrize.register_parametrization(bn, "weight", Positive())
+        ParametrizedBatchNorm1d(...)
+        >>> new = nn.BatchNorm1d(3)
+        >>> move_parametrizations(bn, new)
+        >>> type(new).__name__, torch.equal(new.weight, torch.ones(3).exp())
+        ('ParametrizedBatchNorm1d', True)
+    """
+    if not parametrize.is_parametrized(source):
+        return
+    names = list(source.parametrizations)
+    for name in names:
+        target._parameters.pop(name, None)
+        target._buffers.pop(name, None)
+        target.__dict__.pop(name, None)
+    target._modules["parametrizations"] = source.parametrizations
+    # (a class of its own, always: the properties below go on the class, and ``target``
+    # is a fresh layer of a plain class shared with every other layer of its kind)
+    parametrize._inject_new_class(target)
+    for name in names:
+        parametrize._inject_property(target, name)
 
 
 def check_initialized(model: nn.Module, tool: str, named=None) -> None:

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.fx import Proxy
+from torch.nn.utils import parametrize
 
 from .. import _stats
 from .. import functional as F
-from .._surgery import replace_modules
+from .._surgery import move_parametrizations, replace_modules
 from ._base import fx_leaf
 from .batch import (
     BatchNorm,
@@ -232,12 +233,16 @@ def _is_plain_batchnorm(module: nn.Module) -> bool:
 
 
 def _transfer(src: nn.Module, dst: nn.Module) -> nn.Module:
-    """Copy parameters (as the same Parameter objects' data), buffers and mode."""
+    """Copy parameters (as the same Parameter objects' data), buffers and mode; move
+    parametrizations (``torch.nn.utils.parametrize``) over, originals and all."""
     with torch.no_grad():
         if src.affine:
-            dst.weight = nn.Parameter(src.weight.detach().clone(),
-                                      requires_grad=src.weight.requires_grad)
-            if src.bias is not None:
+            if not parametrize.is_parametrized(src, "weight"):
+                dst.weight = nn.Parameter(src.weight.detach().clone(),
+                                          requires_grad=src.weight.requires_grad)
+            if parametrize.is_parametrized(src, "bias"):
+                pass
+            elif src.bias is not None:
                 dst.bias = nn.Parameter(src.bias.detach().clone(),
                                         requires_grad=src.bias.requires_grad)
             else:
@@ -246,6 +251,7 @@ def _transfer(src: nn.Module, dst: nn.Module) -> nn.Module:
             dst.running_mean = src.running_mean.detach().clone()
             dst.running_var = src.running_var.detach().clone()
             dst.num_batches_tracked = src.num_batches_tracked.detach().clone()
+    move_parametrizations(src, dst)
     dst.train(src.training)
     for attr in ("backend", "unbiased_running_var"):
         if hasattr(src, attr):

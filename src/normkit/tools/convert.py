@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._surgery import replace_modules
+from .._surgery import move_parametrizations, replace_modules
 from ..norms import batch as nk_batch
 from ..norms import group as nk_group
 from ..norms import layer as nk_layer
@@ -229,10 +229,7 @@ def _retype(module: nn.Module, cls: type, add_normkit: bool) -> nn.Module:
     and its parametrizations (a ``Parametrized<cls>`` with the same properties)."""
     new = cls.__new__(cls)
     new.__dict__.update(module.__dict__)
-    if parametrize.is_parametrized(module):
-        parametrize._inject_new_class(new)
-        for name in module.parametrizations:
-            parametrize._inject_property(new, name)
+    move_parametrizations(module, new)
     if add_normkit:
         new.backend = getattr(module, "backend", "auto")
         if issubclass(cls, nk_batch._BatchNormForward):
