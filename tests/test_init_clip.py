@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -146,3 +148,53 @@ def test_agc_optimizer_wrapper_excludes_the_classifier():
         normkit.AGC(torch.optim.SGD(net.parameters(), lr=0.1), exclude=["fc"], model=net)
     with pytest.raises(ValueError, match="clip_factor"):
         normkit.adaptive_clip_grad_(net.parameters(), clip_factor=0)
+
+
+@pytest.mark.parametrize("scheduler", ["StepLR", "OneCycleLR", "ReduceLROnPlateau",
+                                       "SequentialLR"])
+def test_agc_takes_lr_schedulers_grad_scaler_and_checkpoints(scheduler):
+    """Wrapping the optimizer is how AGC is used, and the wrapper then goes where the
+    optimizer went: torch's LR schedulers refused it ("AGC is not an Optimizer"). The
+    schedule reaches the wrapped optimizer, GradScaler unscales before the clip, and a
+    checkpoint of the wrapper is the wrapped optimizer's; no scheduler warning fires."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = normkit.AGC(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                      clip_factor=1e-3)
+    lr_scheduler = torch.optim.lr_scheduler
+    sched = {
+        "StepLR": lambda: lr_scheduler.StepLR(opt, 1, gamma=0.5),
+        "OneCycleLR": lambda: lr_scheduler.OneCycleLR(opt, 1.0, total_steps=10),
+        "ReduceLROnPlateau": lambda: lr_scheduler.ReduceLROnPlateau(opt, patience=0),
+        "SequentialLR": lambda: lr_scheduler.SequentialLR(
+            opt, [lr_scheduler.LinearLR(opt, total_iters=2),
+                  lr_scheduler.ExponentialLR(opt, 0.9)], [2]),
+    }[scheduler]()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = net(torch.randn(16, 4)).float().square().mean()
+            scaler.scale(loss).backward()
+            grads = [p.grad.clone() / scaler.get_scale() for p in net.parameters()]
+            scaler.step(opt)
+            clipped = [p.grad for p in net.parameters()]
+            scaler.update()
+            opt.zero_grad()
+            sched.step(1.0) if scheduler == "ReduceLROnPlateau" else sched.step()
+            lrs.append(opt.optimizer.param_groups[0]["lr"])
+    # unscaled before the clip: clipped relative to the weights, never grown
+    assert all(float(c.norm()) <= float(g.norm()) * (1 + 1e-5)
+               for c, g in zip(clipped, grads, strict=True))
+    assert lrs[-1] != 0.1 and opt.param_groups[0]["lr"] == lrs[-1]
+    twin = normkit.AGC(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    twin.load_state_dict(opt.state_dict())
+    saved, loaded = opt.optimizer.state_dict(), twin.optimizer.state_dict()
+    assert loaded["param_groups"] == saved["param_groups"]
+    assert all(torch.equal(loaded["state"][i]["momentum_buffer"], state["momentum_buffer"])
+               for i, state in saved["state"].items()) and len(saved["state"]) == 4
+    assert isinstance(opt, torch.optim.Optimizer)
+    with pytest.raises(TypeError, match="expected a torch.optim.Optimizer to wrap, got list"):
+        normkit.AGC([p for p in net.parameters()])

@@ -93,11 +93,18 @@ def _params_of(items) -> list[Tensor]:
     return out
 
 
-class AGC:
+class AGC(torch.optim.Optimizer):
     """Wrap an optimizer so every ``step()`` applies adaptive gradient clipping first.
 
+    An :class:`torch.optim.Optimizer` itself, sharing the wrapped one's parameter groups
+    and state: learning-rate schedulers, ``torch.amp.GradScaler`` (``scaler.step(agc)``
+    unscales, then clips) and checkpoints (``state_dict`` is the wrapped optimizer's)
+    take it where they take the optimizer.
+
     Args:
-        optimizer: any ``torch.optim.Optimizer``; everything but ``step`` is forwarded.
+        optimizer: any ``torch.optim.Optimizer``; everything but ``step`` is forwarded
+            (hooks registered on the wrapper are the wrapped optimizer's: they run
+            around its step, after the clipping).
         clip_factor, eps: see :func:`adaptive_clip_grad_`.
         exclude: parameters, modules, or (with ``model``) module/parameter names whose
             gradients are never clipped: Brock et al. leave the final classifier alone.
@@ -115,7 +122,11 @@ class AGC:
 
     def __init__(self, optimizer: torch.optim.Optimizer, clip_factor: float = 0.01,
                  eps: float = 1e-3, *, exclude: Iterable = (), model: nn.Module | None = None):
-        self.optimizer = optimizer
+        # (not Optimizer.__init__: the wrapped optimizer owns the groups and the state)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"AGC expected a torch.optim.Optimizer to wrap, got "
+                            f"{type(optimizer).__name__}")
+        self.__dict__["optimizer"] = optimizer
         self.clip_factor, self.eps = clip_factor, eps
         names = [e for e in exclude if isinstance(e, str)]
         others = [e for e in exclude if not isinstance(e, str)]
@@ -176,5 +187,55 @@ class AGC:
         self.clip_()
         return self.optimizer.step()
 
+    # the wrapped optimizer's groups, state and settings, read and written through
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, value: setattr(self.optimizer, "param_groups", value))
+    state = property(lambda self: self.optimizer.state,
+                     lambda self, value: setattr(self.optimizer, "state", value))
+    defaults = property(lambda self: self.optimizer.defaults,
+                        lambda self, value: setattr(self.optimizer, "defaults", value))
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def register_step_pre_hook(self, hook):
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __getstate__(self):
+        return dict(self.__dict__)
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (f"AGC(clip_factor={self.clip_factor}, eps={self.eps}, "
+                f"excluded={len(self._excluded)}) wrapping {self.optimizer!r}")
+
     def __getattr__(self, name):
+        if name == "optimizer":  # (not set yet: unpickling, a failed __init__)
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
