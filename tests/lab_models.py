@@ -34,6 +34,17 @@ def make_model() -> nn.Module:
     )
 
 
+def make_mlp() -> nn.Module:
+    """An MLP for flattened 8x8 digits with a ``torch.nn.LayerNorm`` (last-dim norm).
+
+    Example:
+        >>> make_mlp()(torch.randn(2, 1, 8, 8)).shape
+        torch.Size([2, 10])
+    """
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.LayerNorm(32), nn.ReLU(),
+                         nn.Linear(32, 10))
+
+
 def make_loaders(batch_size: int, seed: int = 0) -> tuple[DataLoader, DataLoader]:
     """Loaders over 256 training and 128 test digits; the training order follows ``seed``.
 

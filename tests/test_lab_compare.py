@@ -58,6 +58,34 @@ def test_compare_trains_each_norm_at_each_batch_size_and_recommends(tmp_path):
     assert code == 0 and "Report:" in out
 
 
+@pytest.mark.parametrize("model, chosen", [("make_model", "bn, gn, ln, none"),
+                                           ("make_mlp", "ln, rms, none")])
+def test_compare_without_norms_takes_the_families_the_model_can(model, chosen, tmp_path):
+    """The default --norms was bn,gn,ln,none, which a Transformer-style model (last-dim
+    LayerNorms) cannot take: the command failed before training with its defaults. Now
+    the default is the families every norm layer of the model can become, said up front;
+    the report names the user's data (it said the lab's digits and synthetic tasks) and a
+    single seed's result without a "± 0" spread it did not measure."""
+    code, out, err = _cli(
+        "compare", "--model", f"lab_models:{model}", "--data", "lab_models:make_loaders",
+        "--batch-sizes", "8", "--epochs", "1", "--seeds", "1", "--out", str(tmp_path),
+        "--threads", "1", "--progress", "none")
+    assert code == 0, err
+    assert f"comparing {chosen} (the families every norm layer" in out
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text()
+               .splitlines()]
+    assert sorted(r["config"]["norm"] for r in records) == sorted(chosen.split(", "))
+    text = (tmp_path / "report.md").read_text()
+    assert "data: yours, from `lab_models:make_loaders`." in text
+    assert "digits and synthetic" not in text and "± 0 |" not in text
+
+
+def test_compare_without_norms_and_no_family_that_fits(tmp_path):
+    code, _, err = _cli("compare", "--model", "torch.nn:Identity", "--data",
+                        "lab_models:make_loaders", "--out", str(tmp_path))
+    assert code == 2 and "--norms: no family fits every norm layer of the model" in err
+
+
 def test_compare_rejects_norms_the_model_cannot_take(tmp_path):
     code, _, err = _cli(
         "compare", "--model", "lab_models:make_model", "--data", "lab_models:make_loaders",

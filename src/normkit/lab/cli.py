@@ -130,9 +130,10 @@ def build_parser(prog: str = "normkit lab") -> argparse.ArgumentParser:
     compare.add_argument("--data", required=True, metavar="MODULE:FACTORY",
                          help="a callable make_loaders(batch_size[, seed=]) returning "
                          "(train_loader, test_loader) of (input, target) batches")
-    compare.add_argument("--norms", type=_comma_list(str, "norm names"),
-                         default=["bn", "gn", "ln", "none"],
-                         help="norm families to compare (default: bn,gn,ln,none)")
+    compare.add_argument("--norms", type=_comma_list(str, "norm names"), default=None,
+                         help="norm families to compare (default: those of "
+                         f"{','.join(AUTO_NORMS)} that every norm layer of the model can "
+                         "take: bn,gn,ln,none for a CNN, ln,rms,none for a Transformer)")
     compare.add_argument("--batch-sizes", type=_comma_list(_positive_int, "batch sizes"),
                          default=[32, 8, 2], help="batch sizes (default: 32,8,2)")
     compare.add_argument("--epochs", type=_positive_int, default=3,
@@ -208,9 +209,27 @@ def _run(experiments, args, parser, manifest_extra=None, title="normkit lab repo
     return 0
 
 
+#: The families ``lab compare`` tries when ``--norms`` is not given, in report order.
+AUTO_NORMS = ("bn", "gn", "ln", "rms", "none")
+
+
 def _compare(args, parser) -> int:
     from .compare import CompareExperiment, build_variant, call_loaders
 
+    if args.norms is None:  # every family the model's norm layers can all become
+        fits, reasons = [], []
+        for norm in AUTO_NORMS:
+            try:
+                build_variant(args.model, norm, args.seed)
+                fits.append(norm)
+            except ValueError as exc:
+                reasons.append(str(exc))
+        if fits in ([], ["none"]):
+            parser.error("--norms: no family fits every norm layer of the model: "
+                         + "; ".join(dict.fromkeys(reasons)))
+        args.norms = fits
+        print(f"normkit lab compare: comparing {', '.join(fits)} (the families every norm "
+              f"layer of the model can take; --norms to choose)", flush=True)
     experiment = CompareExperiment(args.model, args.data, args.norms, args.batch_sizes,
                                    epochs=args.epochs, lr=args.lr, optimizer=args.optimizer,
                                    seeds=args.seeds, scale_lr=not args.no_lr_scaling)

@@ -361,10 +361,16 @@ def build_report(sections: list[_Section], title: str = "normkit lab report") ->
     profiles = sorted({s.entry.get("profile", "?") for s in sections})
     n_runs = sum(len(s.records) for s in sections)
     verdicts = [c.verdict for _, c in claims]
+    own = [s.entry.get("settings", {}).get("data") for s in sections
+           if s.experiment.name == "compare"]
+    data = ("scikit-learn's bundled digits and synthetic tasks (no download)"
+            if len(own) < len(sections) else "")
+    if own:  # (lab compare: the user's data, named by its --data spec)
+        data += ("; " if data else "") + "yours, from " + ", ".join(
+            f"`{spec}`" for spec in dict.fromkeys(own))
     intro = (f"{len(sections)} experiment(s), {n_runs} runs, profile "
              f"{', '.join(f'`{p}`' for p in profiles)}. Every number below was measured by "
-             "the runs recorded in `results.jsonl` next to this report; data: scikit-learn's "
-             "bundled digits and synthetic tasks (no download).")
+             f"the runs recorded in `results.jsonl` next to this report; data: {data}.")
     if claims:
         intro += (f" Claims: {verdicts.count(REPRODUCED)} reproduced, "
                   f"{verdicts.count(MIXED)} mixed, {verdicts.count(NOT_REPRODUCED)} not "

@@ -43,15 +43,21 @@ def sd(values: Sequence[float]) -> float:
 
 
 def fmt_pm(values: Sequence[float], scale: float = 1.0, digits: int = 3) -> str:
-    """``mean ± sd`` of the values times ``scale`` (``—`` when there is none).
+    """``mean ± sd`` of the values times ``scale`` (``—`` when there is none; the value
+    alone when there is one: a single seed measures no spread, which "± 0" would claim;
+    the tables and sentences around it name the number of seeds).
 
     Example:
         >>> fmt_pm([0.9, 0.92], scale=100, digits=3)
         '91 ± 1.41'
+        >>> fmt_pm([0.9], scale=100, digits=3)
+        '90'
     """
     vals = [v * scale for v in values if v is not None]
     if not vals:
         return "—"
+    if len(vals) == 1:
+        return f"{vals[0]:.{digits}g}"
     return f"{statistics.fmean(vals):.{digits}g} ± {sd(vals):.{digits}g}"
 
 
