@@ -120,6 +120,53 @@ def test_layer_norm_operators_pass_opcheck_and_gradcheck(offset):
         lambda a, c, d: torch.ops.normkit.layer_norm(a, [8], c, d, 1e-5)[0], leaves)
 
 
+def test_compiled_layer_norm_repairs_only_the_offset_rows():
+    """Under torch.compile LayerNorm is normkit's operator, which sent the whole batch to
+    the compensated path when one row was past the kernel's bound. Like eager mode
+    (``test_layers.py::test_each_sample_is_normalized_as_if_alone``) it now repairs
+    those rows alone: each sample's output is its output alone, bit for bit, the
+    compiled output is eager's, the operators pass opcheck and gradcheck on such input,
+    and the gradients match float64."""
+    from torch.library import opcheck
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 8, generator=gen)
+    x[1], x[4] = x[1] * 0.01 + 3e3, x[4] * 0.01 - 1e4
+    w, b = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    opcheck(torch.ops.normkit.layer_norm.default, (x, [8], w, b, 1e-5))
+    _, mean_hi, mean_lo, rstd = torch.ops.normkit.layer_norm(x, [8], w, b, 1e-5)
+    opcheck(torch.ops.normkit.layer_norm_backward.default,
+            (torch.randn(6, 8, generator=gen), x, [8], mean_hi, mean_lo, rstd, w, b,
+             [True, True, True]))
+    leaves = [t.double().requires_grad_() for t in (x, w, b)]
+    assert torch.autograd.gradcheck(
+        lambda a, c, d: torch.ops.normkit.layer_norm(a, [8], c, d, 1e-5)[0], leaves)
+
+    torch._dynamo.reset()
+    layer = normkit.LayerNorm(8)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+    xs = x.clone().requires_grad_()
+    y = compiled(xs)
+    with torch.no_grad():
+        torch.testing.assert_close(y, layer(x), rtol=0, atol=0)
+        for i in range(6):
+            torch.testing.assert_close(y[i:i + 1], compiled(x[i:i + 1]), rtol=0, atol=0)
+    ref_x = x.double().requires_grad_()
+    ref_w, ref_b = w.double().requires_grad_(), b.double().requires_grad_()
+    ref = torch.nn.functional.layer_norm(ref_x, (8,), ref_w, ref_b)
+    dy = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    y.backward(dy.float())
+    ref.backward(dy)
+    torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5)
+    scale = float(ref_x.grad.abs().max())
+    assert float((xs.grad.double() - ref_x.grad).abs().max()) <= 5e-5 * scale
+    for got, want in ((layer.weight.grad, ref_w.grad), (layer.bias.grad, ref_b.grad)):
+        assert float((got.double() - want).abs().max()) <= 5e-5 * float(want.abs().max())
+
+
 def test_layer_norm_compiles_with_inductor():
     """The default backend (Inductor, C++ code generation) runs the operator as an
     external kernel: same values and gradients as eager mode."""

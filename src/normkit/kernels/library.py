@@ -73,11 +73,21 @@ def _layer_norm(x, normalized_shape, weight, bias, eps):
     from ..norms._core import normalize_forward
 
     y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    mean_lo = torch.zeros_like(mean)
     if native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
-        return y, mean, torch.zeros_like(mean), rstd
-    y, mean_hi, mean_lo, _, rstd = normalize_forward(x, _row_dims(x, normalized_shape),
-                                                     weight, bias, eps)
-    return y, *(t.to(mean.dtype) for t in (mean_hi, mean_lo, rstd))
+        return y, mean, mean_lo, rstd
+    bad = native.ill_conditioned_rows(mean, rstd, native.THRESHOLDS["layer_norm"])
+    if bad.numel() == mean.numel():
+        y, mean_hi, mean_lo, _, rstd = normalize_forward(x, _row_dims(x, normalized_shape),
+                                                         weight, bias, eps)
+        return y, *(t.to(mean.dtype) for t in (mean_hi, mean_lo, rstd))
+    # the rows past the kernel's bound by the compensated core, each row its own (as in
+    # eager: native.repair_rows); their statistics replace the kernel's, row by row
+    repair = native.RowRepair.apply(y, x, x.numel() // mean.numel(), bad, weight, bias, eps)
+    for stat, fixed in ((mean, repair.mean_hi), (mean_lo, repair.mean_lo),
+                        (rstd, repair.rstd)):
+        stat.view(-1).index_copy_(0, bad, fixed.reshape(-1).to(stat.dtype))
+    return y, mean, mean_lo, rstd
 
 
 def _layer_norm_fake(x, normalized_shape, weight, bias, eps):
@@ -92,9 +102,26 @@ def _layer_norm_backward(dy, x, normalized_shape, mean_hi, mean_lo, rstd, weight
     mask = [output_mask[0], output_mask[1] and weight is not None,
             output_mask[2] and bias is not None]
     mean = mean_hi + mean_lo
-    if native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
-        grads = torch.ops.aten.native_layer_norm_backward(
-            dy.contiguous(), x, normalized_shape, mean, rstd, weight, bias, mask)
+    threshold = native.THRESHOLDS["layer_norm"]
+    bad = None if native.well_conditioned(mean, rstd, threshold) else \
+        native.ill_conditioned_rows(mean, rstd, threshold)
+    if bad is None or bad.numel() < mean.numel():
+        # the kernel's backward, the compensated rows' (if any) with a zero gradient,
+        # then those rows' own from their statistics
+        k = x.numel() // mean.numel()
+        repair = None if bad is None else native.RowRepair(
+            bad, k, x.reshape(-1, k).index_select(0, bad), *(
+                t.reshape(-1, 1).index_select(0, bad) for t in (mean_hi, mean_lo, rstd)))
+        dy = dy.contiguous()
+        grads = list(torch.ops.aten.native_layer_norm_backward(
+            dy if repair is None else repair.zeroed(dy), x, normalized_shape, mean, rstd,
+            weight, bias, mask))
+        if repair is not None:
+            dx_bad, dw_bad, db_bad = repair.backward(dy, weight, bias, mask)
+            if mask[0]:
+                grads[0].view(-1, k).index_copy_(0, bad, dx_bad.to(grads[0].dtype))
+            grads[1] = grads[1] + dw_bad if mask[1] else grads[1]
+            grads[2] = grads[2] + db_bad if mask[2] else grads[2]
     else:  # the compensated path's backward
         grads = normalize_backward(dy, x, weight, bias, mean_hi, mean_lo, rstd,
                                    _row_dims(x, normalized_shape), True, mask)
