@@ -74,10 +74,11 @@ def _layer_norm(x, normalized_shape, weight, bias, eps):
 
     y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
     mean_lo = torch.zeros_like(mean)
-    if native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
+    single = native.single_value(normalized_shape)
+    if not single and native.well_conditioned(mean, rstd, native.THRESHOLDS["layer_norm"]):
         return y, mean, mean_lo, rstd
     bad = native.ill_conditioned_rows(mean, rstd, native.THRESHOLDS["layer_norm"])
-    if bad.numel() == mean.numel():
+    if single or bad.numel() == mean.numel():
         y, mean_hi, mean_lo, _, rstd = normalize_forward(x, _row_dims(x, normalized_shape),
                                                          weight, bias, eps)
         return y, *(t.to(mean.dtype) for t in (mean_hi, mean_lo, rstd))
@@ -105,6 +106,8 @@ def _layer_norm_backward(dy, x, normalized_shape, mean_hi, mean_lo, rstd, weight
     threshold = native.THRESHOLDS["layer_norm"]
     bad = None if native.well_conditioned(mean, rstd, threshold) else \
         native.ill_conditioned_rows(mean, rstd, threshold)
+    if native.single_value(normalized_shape):
+        bad = torch.arange(mean.numel(), device=x.device)  # (the compensated backward)
     if bad is None or bad.numel() < mean.numel():
         # the kernel's backward, the compensated rows' (if any) with a zero gradient,
         # then those rows' own from their statistics

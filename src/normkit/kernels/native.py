@@ -63,7 +63,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "HALF_BACKWARD_ONE_CALL_BELOW",
            "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES", "repair_rows", "RowRepair",
-           "ill_conditioned_rows",
+           "ill_conditioned_rows", "single_value",
            "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like",
            "sample_blocks", "group_norm_by_samples", "float64_total", "inference_kernel"]
@@ -168,7 +168,7 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         >>> layer_norm(torch.randn(4, 8) + 1e5, (8,), None, None, 1e-5) is None
         True
     """
-    if not _plain_dense(x) or not kernel_dtypes(x, weight, bias):
+    if not _plain_dense(x) or not kernel_dtypes(x, weight, bias) or single_value(shape):
         return None
     if x.dtype in _HALF:
         return _layer_norm_16bit(x, shape, weight, bias, eps)
@@ -194,6 +194,20 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
         return repair_rows(x, shape, weight, bias, eps, y, mean, rstd,
                            THRESHOLDS["layer_norm"], backward)
     return kernel_node(x, weight, bias, y, backward, reference)
+
+
+def single_value(shape: Sequence[int]) -> bool:
+    """Whether a LayerNorm normalizes single values (``shape`` of one element: a
+    LayerNorm2d of one channel). Its output is its bias and its input gradient zero;
+    torch's kernels give that gradient as rounding times ``1 / sqrt(eps)`` (6.1e-5 in
+    float32: the dispatch fuzz found it), so normkit's compensated path, exact there,
+    serves such rows.
+
+    Example:
+        >>> single_value((1,)), single_value((4, 1))
+        (True, False)
+    """
+    return math.prod(shape) == 1
 
 
 def ill_conditioned_rows(mean: Tensor, rstd: Tensor, threshold: float) -> Tensor:

@@ -401,6 +401,7 @@ def _add_norm_forward(x, residual, weight, bias, shape, eps, center, res_dtype, 
                                      residual.view(-1, k), into=y.view(-1, k))
         return s, y, None, rstd, None
     blocks = None
+    use_native = use_native and not native.single_value(shape)
     if center and use_native and x.dtype == res_dtype and _same_dtype(x, weight, bias):
         # (large float32/float64 sums: block by block onto fresh huge pages, or None)
         blocks = native.layer_norm_blocks(x, shape, native.weight_for_bias(weight, bias),
