@@ -6,6 +6,7 @@ import functools
 
 import pytest
 import torch
+from torch import nn
 
 import normkit
 
@@ -59,6 +60,32 @@ def test_register_a_new_family():
     normkit.register_norm("half_gn", lambda c, **kw: normkit.GroupNorm(c // 2, c, **kw))
     assert normkit.get_norm_layer("HalfGN", 8).num_groups == 4
     assert "halfgn" in normkit.norm_names()
+
+
+def test_register_refuses_a_taken_name_unless_told_to_replace():
+    """register_norm overwrote any name silently: registering your own "ln" changed what
+    get_norm_layer, convert_norms and the lab build everywhere in the process."""
+    with pytest.raises(ValueError, match=r"'ln' is taken by normkit\.norms\.layer\.LayerNorm"):
+        normkit.register_norm("my_ln", nn.Identity, "ln")
+    assert type(normkit.get_norm_layer("ln", 4)) is normkit.LayerNorm
+    assert "myln" not in normkit.norm_names()  # (nothing registered when one name fails)
+
+    def first(c, **kw):
+        return normkit.GroupNorm(1, c, **kw)
+
+    def second(c, **kw):
+        return normkit.GroupNorm(c, c, **kw)
+
+    normkit.register_norm("one_group_test", first)
+    normkit.register_norm("one_group_test", first)  # the same factory again: fine
+    with pytest.raises(ValueError, match="replace=True"):
+        normkit.register_norm("one_group_test", second)
+    normkit.register_norm("one_group_test", second, replace=True)
+    assert normkit.get_norm_layer("one_group_test", 4).num_groups == 4
+    with pytest.raises(TypeError, match="callable factory"):
+        normkit.register_norm("broken", "GroupNorm")
+    with pytest.raises(ValueError, match="non-empty string names"):
+        normkit.register_norm("--", nn.Identity)
 
 
 def test_bad_specs():

@@ -30,17 +30,48 @@ def _canon(name: str) -> str:
     return "".join(ch for ch in name.lower() if ch not in "_- ")
 
 
-def register_norm(name: str, factory: type | Callable[..., nn.Module], *aliases: str) -> None:
+def register_norm(name: str, factory: type | Callable[..., nn.Module], *aliases: str,
+                  replace: bool = False) -> None:
     """Register ``factory`` (a class or ``factory(num_features, **kw)``) under names.
+
+    A name already taken by another factory raises: the registry is the process's, and
+    ``get_norm_layer``, ``convert_norms`` and ``normkit lab`` would all build the new one
+    from then on. ``replace=True`` says that is what you want (registering the same
+    factory again is always fine).
 
     Example:
         >>> from torch import nn
-        >>> register_norm("my_identity", lambda num_features, **kw: nn.Identity())
+        >>> register_norm("my_identity", nn.Identity)
         >>> get_norm_layer("MyIdentity", 8)
         Identity()
+        >>> register_norm("bn", nn.Identity)
+        Traceback (most recent call last):
+        ...
+        ValueError: register_norm: the name 'bn' is taken by normkit.norms.batch.BatchNorm2d...
     """
-    for key in (name, *aliases):
-        _REGISTRY[_canon(key)] = factory
+    if not callable(factory):
+        raise TypeError(f"register_norm expected a class or a callable factory(num_features, "
+                        f"**kwargs) returning a module, got {type(factory).__name__}")
+    keys = {}
+    for given in (name, *aliases):
+        if not isinstance(given, str) or not _canon(given):
+            raise ValueError(f"register_norm expected non-empty string names, got {given!r}")
+        keys[_canon(given)] = given
+    for key, given in keys.items():
+        old = _REGISTRY.get(key)
+        if old is not None and old is not factory and not replace:
+            raise ValueError(
+                f"register_norm: the name {given!r} is taken by {_qualified(old)}; pass "
+                f"replace=True to replace it (get_norm_layer, convert_norms and normkit lab "
+                f"in this process then build yours), or choose another name")
+    for key in keys:
+        _REGISTRY[key] = factory
+
+
+def _qualified(factory) -> str:
+    module = getattr(factory, "__module__", None)
+    name = getattr(factory, "__qualname__", None) or repr(factory)
+    return f"{module}.{name}" if module else name
 
 
 def norm_names() -> list[str]:
