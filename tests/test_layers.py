@@ -340,8 +340,9 @@ def test_shape_inference_without_data(name, without_data):
     assert got == want
 
 
-#: LayerNorm-type layers, each with an input shape whose rows (samples) can be offset,
-#: its memory format, and whether it takes a residual (whose sum is normalized).
+#: Per-sample layers that normalize each sample alone, bit for bit, each with an input
+#: shape whose samples can be offset, its memory format, and whether it takes a residual
+#: (whose sum is normalized).
 _ROW_LAYERS = {
     "LayerNorm": (lambda: normkit.LayerNorm(64), (40, 64), None, False),
     "LayerNorm over (4, 16)": (lambda: normkit.LayerNorm((4, 16)), (12, 3, 4, 16), None,
@@ -349,6 +350,8 @@ _ROW_LAYERS = {
     "LayerNorm2d channels_last": (lambda: normkit.LayerNorm2d(32), (6, 32, 5, 5),
                                   torch.channels_last, False),
     "AddLayerNorm": (lambda: normkit.AddLayerNorm(64), (40, 64), None, True),
+    "GroupNorm NCHW": (lambda: normkit.GroupNorm(4, 16), (8, 16, 5, 5), None, False),
+    "GroupNorm NCHW, 3D": (lambda: normkit.GroupNorm(2, 8), (6, 8, 7), None, False),
 }
 
 
@@ -358,13 +361,13 @@ _ROW_LAYERS = {
 @pytest.mark.parametrize("name", list(_ROW_LAYERS))
 def test_each_sample_is_normalized_as_if_alone(name, offset_samples, dtype, path,
                                                monkeypatch):
-    """torch's LayerNorm normalizes each row by itself: a sample gives the same bits
-    alone or in any batch. normkit's accuracy check sent the whole batch to the
-    compensated path when one row was far off its spread (an outlier token, a constant
-    padding row), changing every other row by an ulp or two and costing the batch 2-4x
-    the time. Now only those rows take it: each sample's output equals its output alone,
-    bit for bit, and outputs and every gradient of the mixed batch are within the
-    per-dtype tolerance of float64."""
+    """torch's LayerNorm (GroupNorm) normalizes each row (group) by itself: a sample
+    gives the same bits alone or in any batch. normkit's accuracy check sent the whole
+    batch to the compensated path when one row was far off its spread (an outlier token,
+    a constant padding row, a blank image), changing every other sample by an ulp or two
+    and costing the batch 2-4x the time. Now only those rows take it: each sample's
+    output equals its output alone, bit for bit, and outputs and every gradient of the
+    mixed batch are within the per-dtype tolerance of float64."""
     if path == "blocks":
         if dtype != torch.float32:
             pytest.skip("the blocked kernel serves float32/float64")

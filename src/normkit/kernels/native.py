@@ -242,23 +242,50 @@ class RowRepair:
         ([1], True)
     """
 
-    def __init__(self, bad: Tensor, k: int, rows: Tensor, mean_hi: Tensor, mean_lo: Tensor,
-                 rstd: Tensor) -> None:
-        self.bad, self.k, self.rows = bad, k, rows
+    def __init__(self, bad: Tensor, k: int, rows: Tensor, mean_hi: Tensor | None,
+                 mean_lo: Tensor | None, rstd: Tensor | None, groups: int | None = None
+                 ) -> None:
+        self.bad, self.k, self.rows, self.groups = bad, k, rows, groups
         self.mean_hi, self.mean_lo, self.rstd = mean_hi, mean_lo, rstd
 
     @classmethod
     def apply(cls, y: Tensor, x: Tensor, k: int, bad: Tensor, weight: Tensor | None,
-              bias: Tensor | None, eps: float) -> RowRepair:
-        """Rows ``bad`` of ``x``'s ``(M, k)`` view, normalized into those of ``y``'s."""
+              bias: Tensor | None, eps: float, groups: int | None = None) -> RowRepair:
+        """Rows ``bad`` of ``x``'s ``(M, k)`` view, normalized into those of ``y``'s.
+
+        ``groups``: the rows are the ``(n, g)`` groups of NCHW GroupNorm (row ``n * G +
+        g``), whose affine is per channel, ``C / G`` channels of ``k * G / C`` positions
+        each; else one weight and bias of ``k`` values serve every row (LayerNorm)."""
         from ..norms._core import normalize_forward
 
         rows = x.detach().reshape(-1, k).index_select(0, bad)
+        repair = cls(bad, k, rows, None, None, None, groups)
         with torch.no_grad():
-            y_bad, mean_hi, mean_lo, _, rstd = normalize_forward(
-                rows, (1,), _flat(weight, k), _flat(bias, k), eps)
+            y_bad, repair.mean_hi, repair.mean_lo, _, repair.rstd = normalize_forward(
+                rows, (1,), repair._affine(weight), repair._affine(bias), eps)
             y.view(-1, k).index_copy_(0, bad, y_bad.to(y.dtype))
-        return cls(bad, k, rows, mean_hi, mean_lo, rstd)
+        return repair
+
+    def _affine(self, t: Tensor | None) -> Tensor | None:
+        """``t`` as the repaired rows see it: ``(k,)``, or per group ``(rows, k)`` in
+        float32 or better (its per-element gradient products are summed afterwards)."""
+        if t is None:
+            return None
+        t = t.detach()
+        if self.groups is None:
+            return t.reshape(self.k)
+        per_group = t.reshape(self.groups, -1).to(torch.promote_types(t.dtype, torch.float32))
+        spread = per_group.repeat_interleave(self.k // per_group.shape[1], dim=1)
+        return spread.index_select(0, self.bad % self.groups)
+
+    def _reduced(self, grad: Tensor, param: Tensor) -> Tensor:
+        """A parameter's gradient from :meth:`_affine`'s shape back to ``param``'s."""
+        if self.groups is None:
+            return grad.view(param.shape)
+        per = param.numel() // self.groups
+        sums = grad.reshape(grad.shape[0], per, -1).sum(-1)  # (rows, C / G)
+        total = sums.new_zeros(self.groups, per).index_add_(0, self.bad % self.groups, sums)
+        return total.view(param.shape).to(param.dtype)
 
     def zeroed(self, dy: Tensor) -> Tensor:
         """A copy of ``dy`` with the repaired rows zero (``dy`` itself is left as it is)."""
@@ -271,14 +298,10 @@ class RowRepair:
         from ..norms._core import normalize_backward
 
         dx, dw, db = normalize_backward(
-            dy.reshape(-1, self.k).index_select(0, self.bad), self.rows, _flat(weight, self.k),
-            _flat(bias, self.k), self.mean_hi, self.mean_lo, self.rstd, (1,), True, mask)
-        return (dx, None if dw is None else dw.view(weight.shape),
-                None if db is None else db.view(bias.shape))
-
-
-def _flat(t: Tensor | None, k: int) -> Tensor | None:
-    return None if t is None else t.detach().reshape(k)
+            dy.reshape(-1, self.k).index_select(0, self.bad), self.rows, self._affine(weight),
+            self._affine(bias), self.mean_hi, self.mean_lo, self.rstd, (1,), True, mask)
+        return (dx, None if dw is None else self._reduced(dw, weight),
+                None if db is None else self._reduced(db, bias))
 
 
 def repair_rows(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
@@ -774,6 +797,18 @@ def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, gro
             x.dtype not in _HALF or not torch.is_grad_enabled() or not any(
                 t is not None and t.requires_grad for t in (x, weight, bias))):
         return torch.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
+    y, mean, rstd, backward, reference = group_norm_kernel_parts(x, weight, bias, groups,
+                                                                 eps, blocks)
+    return kernel_node(x, weight, bias, y, backward, reference), mean, rstd
+
+
+def group_norm_kernel_parts(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                            groups: int, eps: float, blocks=None):
+    """``(y, mean, rstd, backward, reference)`` of torch's GroupNorm kernels on ``x``, no
+    autograd attached: the output (:func:`_group_norm_blocks`' when given), and the
+    backward and reference of :func:`kernel_node` (see :func:`group_norm_kernel`)."""
+    n, c = x.shape[:2]
+    hxw = x.shape[2:].numel()
     if blocks is not None:
         y, mean, rstd = blocks
     else:
@@ -796,7 +831,7 @@ def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, gro
         return torch.nn.functional.group_norm(x.float(), groups, _float32(weight),
                                               _float32(bias), eps).to(x.dtype)
 
-    return kernel_node(x, weight, bias, y, backward, reference), mean, rstd
+    return y, mean, rstd, backward, reference
 
 
 def sample_blocks(x: Tensor):
@@ -1597,7 +1632,36 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
         return None
     weight, bias = kernel_params(x, x.shape[1:2], weight, bias)  # (16-bit x: float32 stats)
     y, mean, rstd = group_norm_kernel(x, weight, bias, num_groups, eps)
-    return y if well_conditioned(mean, rstd, THRESHOLDS["group_norm"]) else None
+    if well_conditioned(mean, rstd, THRESHOLDS["group_norm"]):
+        return y
+    # the groups past the bound by the compensated core, the others as the kernel left
+    # them: each sample its own bits, as with torch's GroupNorm (see repair_rows)
+    bad = ill_conditioned_rows(mean, rstd, THRESHOLDS["group_norm"])
+    if bad.numel() == mean.numel():
+        return None
+    y = y.detach()
+    _, _, _, kernel_backward, _ = group_norm_kernel_parts(x, weight, bias, num_groups, eps,
+                                                          (y, mean, rstd))
+    k = x.numel() // mean.numel()
+    repair = RowRepair.apply(y, x, k, bad, weight, bias, eps, groups=num_groups)
+
+    def backward(dy, x, weight, bias, mask):
+        dx, dw, db = kernel_backward(repair.zeroed(dy), x, weight, bias, mask)
+        dx_bad, dw_bad, db_bad = repair.backward(dy, weight, bias, mask)
+        if dx is not None:
+            dx.view(-1, k).index_copy_(0, bad, dx_bad.to(dx.dtype))
+        return dx, _plus(dw, dw_bad), _plus(db, db_bad)
+
+    def reference(x, weight, bias):  # normkit's reference math (create_graph=True)
+        from ..norms._core import affine_view, reference_normalize
+
+        grouped = x.unflatten(1, (num_groups, x.shape[1] // num_groups))
+        view = (1, *grouped.shape[1:3]) + (1,) * (x.dim() - 2)
+        return reference_normalize(grouped, tuple(range(2, grouped.dim())),
+                                   affine_view(weight, view), affine_view(bias, view),
+                                   eps)[0].flatten(1, 2)
+
+    return kernel_node(x, weight, bias, y, backward, reference)
 
 
 # ------------------------------------------------------------------ LayerNorm2d on NCHW
