@@ -120,30 +120,40 @@ def test_layer_norm_operators_pass_opcheck_and_gradcheck(offset):
         lambda a, c, d: torch.ops.normkit.layer_norm(a, [8], c, d, 1e-5)[0], leaves)
 
 
-def test_compiled_layer_norm_repairs_only_the_offset_rows():
-    """Under torch.compile LayerNorm is normkit's operator, which sent the whole batch to
-    the compensated path when one row was past the kernel's bound. Like eager mode
-    (``test_layers.py::test_each_sample_is_normalized_as_if_alone``) it now repairs
-    those rows alone: each sample's output is its output alone, bit for bit, the
-    compiled output is eager's, the operators pass opcheck and gradcheck on such input,
-    and the gradients match float64."""
+#: name -> (module factory(weight, bias), input shape, the operator and its extra argument)
+_REPAIRED = {
+    "layer_norm": (lambda: normkit.LayerNorm(8), (6, 8), [8]),
+    "group_norm": (lambda: normkit.GroupNorm(2, 8), (6, 8, 3, 3), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(_REPAIRED))
+def test_compiled_norm_repairs_only_the_offset_rows(name):
+    """Under torch.compile LayerNorm and NCHW GroupNorm are normkit's operators, which
+    sent the whole batch to the compensated path when one row (group) was past the
+    kernel's bound. Like eager mode (``test_layers.py::
+    test_each_sample_is_normalized_as_if_alone``) they now repair those alone: each
+    sample's output is its output alone, bit for bit, the compiled output is eager's, the
+    operators pass opcheck and gradcheck on such input, and the gradients match
+    float64."""
     from torch.library import opcheck
 
+    make, shape, arg = _REPAIRED[name]
+    op, backward_op = (getattr(torch.ops.normkit, name),
+                       getattr(torch.ops.normkit, f"{name}_backward"))
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(6, 8, generator=gen)
+    x = torch.randn(shape, generator=gen)
     x[1], x[4] = x[1] * 0.01 + 3e3, x[4] * 0.01 - 1e4
     w, b = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
-    opcheck(torch.ops.normkit.layer_norm.default, (x, [8], w, b, 1e-5))
-    _, mean_hi, mean_lo, rstd = torch.ops.normkit.layer_norm(x, [8], w, b, 1e-5)
-    opcheck(torch.ops.normkit.layer_norm_backward.default,
-            (torch.randn(6, 8, generator=gen), x, [8], mean_hi, mean_lo, rstd, w, b,
-             [True, True, True]))
+    opcheck(op.default, (x, arg, w, b, 1e-5))
+    _, mean_hi, mean_lo, rstd = op(x, arg, w, b, 1e-5)
+    opcheck(backward_op.default, (torch.randn(shape, generator=gen), x, arg, mean_hi,
+                                  mean_lo, rstd, w, b, [True, True, True]))
     leaves = [t.double().requires_grad_() for t in (x, w, b)]
-    assert torch.autograd.gradcheck(
-        lambda a, c, d: torch.ops.normkit.layer_norm(a, [8], c, d, 1e-5)[0], leaves)
+    assert torch.autograd.gradcheck(lambda a, c, d: op(a, arg, c, d, 1e-5)[0], leaves)
 
     torch._dynamo.reset()
-    layer = normkit.LayerNorm(8)
+    layer = make()
     with torch.no_grad():
         layer.weight.copy_(w)
         layer.bias.copy_(b)
@@ -152,12 +162,13 @@ def test_compiled_layer_norm_repairs_only_the_offset_rows():
     y = compiled(xs)
     with torch.no_grad():
         torch.testing.assert_close(y, layer(x), rtol=0, atol=0)
-        for i in range(6):
+        for i in range(shape[0]):
             torch.testing.assert_close(y[i:i + 1], compiled(x[i:i + 1]), rtol=0, atol=0)
     ref_x = x.double().requires_grad_()
     ref_w, ref_b = w.double().requires_grad_(), b.double().requires_grad_()
-    ref = torch.nn.functional.layer_norm(ref_x, (8,), ref_w, ref_b)
-    dy = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    ref = (torch.nn.functional.layer_norm(ref_x, (8,), ref_w, ref_b) if name == "layer_norm"
+           else torch.nn.functional.group_norm(ref_x, 2, ref_w, ref_b))
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
     y.backward(dy.float())
     ref.backward(dy)
     torch.testing.assert_close(y.double(), ref, rtol=2e-5, atol=2e-5)

@@ -229,6 +229,16 @@ def _group_norm_forward(x, num_groups, weight, bias, eps):
                                                 eps)
         if native.well_conditioned(mean, rstd, _group_bound(x)):
             return y, mean, zeros, rstd
+        bad = native.ill_conditioned_rows(mean, rstd, _group_bound(x))
+        if bad.numel() < mean.numel():
+            # the groups past the bound by the compensated core, as in eager mode
+            # (native.group_norm): their statistics replace the kernel's
+            repair = native.RowRepair.apply(y, x, x.numel() // mean.numel(), bad, weight,
+                                            bias, eps, groups=num_groups)
+            for stat, fixed in ((mean, repair.mean_hi), (zeros, repair.mean_lo),
+                                (rstd, repair.rstd)):
+                stat.view(-1).index_copy_(0, bad, fixed.reshape(-1).to(stat.dtype))
+            return y, mean, zeros, rstd
     elif positions < channels.GROUP_NORM_MIN_POSITIONS:
         y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, positions, num_groups,
                                                 eps)
@@ -263,7 +273,25 @@ def _group_norm_backward(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias
             output_mask[2] and bias is not None]
     accurate = native.well_conditioned(mean, rstd, _group_bound(x))
     layout = _layout(x)
-    if accurate and (x.is_contiguous() or positions < channels.GROUP_NORM_MIN_POSITIONS):
+    bad = None if accurate or not x.is_contiguous() else native.ill_conditioned_rows(
+        mean, rstd, _group_bound(x))
+    if bad is not None and bad.numel() < mean.numel():
+        # NCHW with repaired groups: the kernel's backward with their gradient zeroed,
+        # then theirs from their compensated statistics (native.group_norm)
+        k = x.numel() // mean.numel()
+        repair = native.RowRepair(
+            bad, k, x.reshape(-1, k).index_select(0, bad),
+            *(t.reshape(-1, 1).index_select(0, bad) for t in (mean_hi, mean_lo, rstd)),
+            groups=num_groups)
+        dy = dy.contiguous()
+        grads = list(native.group_norm_backward(repair.zeroed(dy), x, mean, rstd, weight, n,
+                                                c, positions, num_groups, mask))
+        dx_bad, dw_bad, db_bad = repair.backward(dy, weight, bias, mask)
+        if mask[0]:
+            grads[0].view(-1, k).index_copy_(0, bad, dx_bad.to(grads[0].dtype))
+        grads[1] = grads[1] + dw_bad if mask[1] else grads[1]
+        grads[2] = grads[2] + db_bad if mask[2] else grads[2]
+    elif accurate and (x.is_contiguous() or positions < channels.GROUP_NORM_MIN_POSITIONS):
         grads = native.group_norm_backward(
             dy.contiguous(memory_format=layout), x, mean, rstd, weight, n, c, positions,
             num_groups, mask)
