@@ -17,7 +17,7 @@ from cases import (
     make_input,
     memory_format_of,
 )
-from oracle import assert_close, assert_grad_close, reference_forward
+from oracle import assert_close, assert_grad_close, normalize64, reference_forward
 
 import normkit
 from normkit.kernels import native
@@ -395,17 +395,29 @@ def test_each_sample_is_normalized_as_if_alone(name, offset_samples, dtype, path
     def first(out):
         return out[0] if isinstance(out, tuple) else out
 
-    y = first(module(*inputs))
+    out = module(*inputs)
+    y = first(out)
     with torch.no_grad():
         for i in range(shape[0]):
             alone = first(module(*(t[i:i + 1].detach() for t in inputs)))
             assert torch.equal(y[i:i + 1], alone), f"{name}: sample {i} differs from alone"
+    # (the oracle's independent float64 formulas, with the twin's parameters as leaves:
+    # the twin itself runs normkit's own paths in float64)
     refs = [t.detach().double().requires_grad_() for t in inputs]
-    ref = first(twin(*refs))
+    if residual:
+        dims = tuple(range(len(shape) - len(twin.normalized_shape), len(shape)))
+        ref = normalize64(refs[0] + refs[1], dims, twin.weight, twin.bias, twin.eps)
+    else:
+        ref = reference_forward(twin, refs[0])
     assert_close(y, ref, dtype, f"{name} output")
     dy = torch.randn(shape, dtype=torch.float64)
-    y.backward(dy.to(dtype))
-    ref.backward(dy)
+    if residual:  # (a gradient through the new residual stream too, as a block sends one)
+        ds = torch.randn(shape, dtype=torch.float64)
+        torch.autograd.backward([y, out[1]], [dy.to(dtype), ds.to(dtype)])
+        torch.autograd.backward([ref, refs[0] + refs[1]], [dy, ds])
+    else:
+        y.backward(dy.to(dtype))
+        ref.backward(dy)
     for t, t64 in zip(inputs, refs, strict=True):
         assert_grad_close(t.grad, t64.grad, dtype, f"{name} input grad")
     for (pname, p), p64 in zip(module.named_parameters(), twin.parameters(), strict=True):

@@ -116,19 +116,20 @@ def _layer_norm_backward(dy, x, normalized_shape, mean_hi, mean_lo, rstd, weight
             bad, k, x.reshape(-1, k).index_select(0, bad), *(
                 t.reshape(-1, 1).index_select(0, bad) for t in (mean_hi, mean_lo, rstd)))
         dy = dy.contiguous()
-        grads = list(torch.ops.aten.native_layer_norm_backward(
+        grads = torch.ops.aten.native_layer_norm_backward(
             dy if repair is None else repair.zeroed(dy), x, normalized_shape, mean, rstd,
-            weight, bias, mask))
+            weight, bias, mask)
         if repair is not None:
-            dx_bad, dw_bad, db_bad = repair.backward(dy, weight, bias, mask)
-            if mask[0]:
-                grads[0].view(-1, k).index_copy_(0, bad, dx_bad.to(grads[0].dtype))
-            grads[1] = grads[1] + dw_bad if mask[1] else grads[1]
-            grads[2] = grads[2] + db_bad if mask[2] else grads[2]
+            grads = repair.patch(_masked(grads, mask), dy, weight, bias, mask)
     else:  # the compensated path's backward
         grads = normalize_backward(dy, x, weight, bias, mean_hi, mean_lo, rstd,
                                    _row_dims(x, normalized_shape), True, mask)
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+def _masked(grads, mask) -> list:
+    """A backward kernel's gradients, ``None`` where ``mask`` did not ask for one."""
+    return [g if need else None for g, need in zip(grads, mask, strict=True)]
 
 
 def _grads_fake(x, weight, bias, output_mask):
@@ -284,13 +285,9 @@ def _group_norm_backward(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias
             *(t.reshape(-1, 1).index_select(0, bad) for t in (mean_hi, mean_lo, rstd)),
             groups=num_groups)
         dy = dy.contiguous()
-        grads = list(native.group_norm_backward(repair.zeroed(dy), x, mean, rstd, weight, n,
-                                                c, positions, num_groups, mask))
-        dx_bad, dw_bad, db_bad = repair.backward(dy, weight, bias, mask)
-        if mask[0]:
-            grads[0].view(-1, k).index_copy_(0, bad, dx_bad.to(grads[0].dtype))
-        grads[1] = grads[1] + dw_bad if mask[1] else grads[1]
-        grads[2] = grads[2] + db_bad if mask[2] else grads[2]
+        grads = native.group_norm_backward(repair.zeroed(dy), x, mean, rstd, weight, n, c,
+                                           positions, num_groups, mask)
+        grads = repair.patch(_masked(grads, mask), dy, weight, bias, mask)
     elif accurate and (x.is_contiguous() or positions < channels.GROUP_NORM_MIN_POSITIONS):
         grads = native.group_norm_backward(
             dy.contiguous(memory_format=layout), x, mean, rstd, weight, n, c, positions,

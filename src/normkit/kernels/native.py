@@ -303,6 +303,18 @@ class RowRepair:
         return (dx, None if dw is None else self._reduced(dw, weight),
                 None if db is None else self._reduced(db, bias))
 
+    def patch(self, grads, dy: Tensor, weight: Tensor | None, bias: Tensor | None,
+              mask: Sequence[bool], add: bool = False) -> tuple[Tensor | None, ...]:
+        """The kernel's ``(dx, dweight, dbias)``, computed on :meth:`zeroed` ``dy``, with
+        the repaired rows' gradients in: their ``dx`` rows written in (added with
+        ``add``: a residual's gradient already there), their parameter shares added."""
+        dx, dw, db = grads
+        dx_bad, dw_bad, db_bad = self.backward(dy, weight, bias, mask)
+        if dx is not None and dx_bad is not None:
+            rows = dx.view(-1, self.k)
+            (rows.index_add_ if add else rows.index_copy_)(0, self.bad, dx_bad.to(dx.dtype))
+        return dx, _plus(dw, dw_bad), _plus(db, db_bad)
+
 
 def repair_rows(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
                 bias: Tensor | None, eps: float, y: Tensor, mean: Tensor, rstd: Tensor,
@@ -339,11 +351,8 @@ def repair_rows(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     repair = RowRepair.apply(y, x, k, bad, weight, bias, eps)
 
     def backward(dy, x, weight, bias, mask):
-        dx, dw, db = kernel_backward(repair.zeroed(dy), x, weight, bias, mask)
-        dx_bad, dw_bad, db_bad = repair.backward(dy, weight, bias, mask)
-        if dx is not None:
-            dx.view(m, k).index_copy_(0, bad, dx_bad.to(dx.dtype))
-        return dx, _plus(dw, dw_bad), _plus(db, db_bad)
+        grads = kernel_backward(repair.zeroed(dy), x, weight, bias, mask)
+        return repair.patch(grads, dy, weight, bias, mask)
 
     def reference(x, weight, bias):  # normkit's reference math (create_graph=True)
         dims = tuple(range(x.dim() - len(shape), x.dim()))
@@ -1646,11 +1655,8 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
     repair = RowRepair.apply(y, x, k, bad, weight, bias, eps, groups=num_groups)
 
     def backward(dy, x, weight, bias, mask):
-        dx, dw, db = kernel_backward(repair.zeroed(dy), x, weight, bias, mask)
-        dx_bad, dw_bad, db_bad = repair.backward(dy, weight, bias, mask)
-        if dx is not None:
-            dx.view(-1, k).index_copy_(0, bad, dx_bad.to(dx.dtype))
-        return dx, _plus(dw, dw_bad), _plus(db, db_bad)
+        grads = kernel_backward(repair.zeroed(dy), x, weight, bias, mask)
+        return repair.patch(grads, dy, weight, bias, mask)
 
     def reference(x, weight, bias):  # normkit's reference math (create_graph=True)
         from ..norms._core import affine_view, reference_normalize

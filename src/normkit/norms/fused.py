@@ -551,10 +551,7 @@ class _AddNormFunction(torch.autograd.Function):
                 g if ctx.repair is None else ctx.repair.zeroed(g), s, ctx.shape, mean, rstd,
                 weight, bias, mask, None if dres is None else dres.to(s.dtype))
             if ctx.repair is not None:  # (their kernel rows got a zero gradient: dres alone)
-                ds_bad, dw_bad, db_bad = ctx.repair.backward(g, weight, bias, mask)
-                ds.view(-1, ctx.k).index_add_(0, ctx.repair.bad, ds_bad.to(ds.dtype))
-                dw = dw if dw is None else dw + dw_bad
-                db = db if db is None else db + db_bad
+                ds, dw, db = ctx.repair.patch((ds, dw, db), g, weight, bias, mask, add=True)
         else:
             ds, dw = _rms_backward(ctx, s, weight, rstd, dnormed, dres, need_w)
         dx = None if not need_x or ds is None else ds.to(x_dtype)
