@@ -288,8 +288,12 @@ class RowRepair:
         return total.view(param.shape).to(param.dtype)
 
     def zeroed(self, dy: Tensor) -> Tensor:
-        """A copy of ``dy`` with the repaired rows zero (``dy`` itself is left as it is)."""
-        return dy.reshape(-1, self.k).index_fill(0, self.bad, 0).view(dy.shape)
+        """A copy of ``dy`` with the repaired rows zero (``dy`` itself is left as it is),
+        contiguous, on huge pages where large (:func:`~normkit.kernels.memory.empty_like`:
+        a fresh 16 MiB buffer's page faults cost more than the copy)."""
+        out = empty_like(dy, None, torch.contiguous_format).copy_(dy)
+        out.view(-1, self.k).index_fill_(0, self.bad, 0)
+        return out
 
     def backward(self, dy: Tensor, weight: Tensor | None, bias: Tensor | None,
                  mask: Sequence[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:

@@ -1,0 +1,107 @@
+"""Normalization of a batch with one outlier: normkit against torch, clean and mixed.
+
+normkit keeps torch's LayerNorm and GroupNorm kernels where their statistics are accurate
+and normalizes the rows (groups) past that bound with its compensated core. One row far
+off its spread -- an outlier token, a constant padding row, a blank image's constant
+maps after a convolution -- used to send the whole batch through the compensated path;
+now only that row takes it. This script times each layer's module on a clean batch and
+on the same batch with one row (sample) offset by 3000 at a spread of 0.01, forward (no
+grad) and forward+backward, torch's and normkit's in the same process (median of
+round-robin rounds), checks normkit's output against float64, and prints a Markdown
+table: ms and torch time / normkit time (> 1: normkit faster)::
+
+    PYTHONPATH=src python benchmarks/outlier_rows.py --threads 1
+
+Run it with ``PYTHONPATH`` at an older checkout's ``src`` for the before/after. Figures
+for reading, not asserting: one machine, one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from torch import nn
+
+import normkit
+from normkit.bench.measure import Timer, calibrate, interleaved
+
+#: ``name: (input shape, torch module, normkit module, float64 reference)``
+CASES = {
+    "LayerNorm 4096x1024": (
+        (4096, 1024), lambda: nn.LayerNorm(1024), lambda: normkit.LayerNorm(1024),
+        lambda x: torch.nn.functional.layer_norm(x, (1024,))),
+    "LayerNorm2d channels_last 32x64x28x28": (
+        (32, 64, 28, 28), lambda: _PermutedLayerNorm(64), lambda: normkit.LayerNorm2d(64),
+        lambda x: torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (64,))
+        .permute(0, 3, 1, 2)),
+    "GroupNorm 32x64x28x28": (
+        (32, 64, 28, 28), lambda: nn.GroupNorm(16, 64), lambda: normkit.GroupNorm(16, 64),
+        lambda x: torch.nn.functional.group_norm(x, 16)),
+}
+
+
+class _PermutedLayerNorm(nn.LayerNorm):
+    """torch's LayerNorm over dim 1 of ``(N, C, H, W)``: permute, LayerNorm, permute."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def measure(name: str, outlier: bool, rounds: int) -> dict[str, dict[str, float]]:
+    """``{pass: {"torch": ms, "normkit": ms}}`` at the current thread count.
+
+    Raises AssertionError when normkit's output is not within 1e-5 of float64's."""
+    shape, make_torch, make_normkit, reference = CASES[name]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    if outlier:
+        x[0] = x[0] * 0.01 + 3000.0
+    if "channels_last" in name:
+        x = x.contiguous(memory_format=torch.channels_last)
+    modules = {"torch": make_torch(), "normkit": make_normkit()}
+    with torch.no_grad():
+        err = (modules["normkit"](x).double() - reference(x.double())).abs().max()
+    assert float(err) < 1e-5, f"{name}: normkit is {float(err):.2e} off float64"
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    leaf = x.detach().requires_grad_()
+
+    def forward(module):
+        with torch.no_grad():
+            return module(x)
+
+    def forward_backward(module):
+        return torch.autograd.grad(module(leaf), [leaf], dy)
+
+    out = {}
+    timer = Timer()
+    for label, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
+        number = calibrate(timer(lambda s=step: s(modules["torch"])), 5e-3)
+        samples = interleaved({k: (lambda s=step, m=m: s(m)) for k, m in modules.items()},
+                              timer, rounds, number)
+        out[label] = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), metavar="CASE",
+                        help="case names (default: all)")
+    args = parser.parse_args()
+    print("| threads | layer | batch | pass | torch ms | normkit ms | torch / normkit |")
+    print("|---:|---|---|---|---:|---:|---:|")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name in args.cases:
+            for outlier in (False, True):
+                batch = "one outlier row" if outlier else "clean"
+                for label, ms in measure(name, outlier, args.rounds).items():
+                    print(f"| {threads} | {name} | {batch} | {label} | {ms['torch']:.3f} | "
+                          f"{ms['normkit']:.3f} | {ms['torch'] / ms['normkit']:.2f}x |",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()
