@@ -19,13 +19,12 @@ for reading, not asserting: one machine, one run.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from torch import nn
 
 import normkit
-from normkit.bench.measure import Timer, calibrate, interleaved
+from normkit.bench.measure import module_passes
 
 #: ``name: (input shape, torch module, normkit module, float64 reference)``
 CASES = {
@@ -64,23 +63,7 @@ def measure(name: str, outlier: bool, rounds: int) -> dict[str, dict[str, float]
         err = (modules["normkit"](x).double() - reference(x.double())).abs().max()
     assert float(err) < 1e-5, f"{name}: normkit is {float(err):.2e} off float64"
     dy = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    leaf = x.detach().requires_grad_()
-
-    def forward(module):
-        with torch.no_grad():
-            return module(x)
-
-    def forward_backward(module):
-        return torch.autograd.grad(module(leaf), [leaf], dy)
-
-    out = {}
-    timer = Timer()
-    for label, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
-        number = calibrate(timer(lambda s=step: s(modules["torch"])), 5e-3)
-        samples = interleaved({k: (lambda s=step, m=m: s(m)) for k, m in modules.items()},
-                              timer, rounds, number)
-        out[label] = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
-    return out
+    return module_passes(modules, x, dy, rounds)
 
 
 def main() -> None:

@@ -17,13 +17,12 @@ Figures for reading, not asserting: one machine, one run.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 from torch import nn
 
 import normkit
-from normkit.bench.measure import Timer, calibrate, interleaved
+from normkit.bench.measure import module_passes
 
 #: ``name: (make the view, torch module, normkit module)``; every view is strided.
 CASES = {
@@ -82,23 +81,7 @@ def measure(name: str, rounds: int) -> dict[str, dict[str, float]]:
         torch.testing.assert_close(modules["normkit"](x), modules["torch"](x), rtol=1e-4,
                                    atol=1e-4)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
-    leaf = x.detach().requires_grad_()  # (the view itself, strided, with a gradient)
-
-    def forward(module):
-        with torch.no_grad():
-            return module(x)
-
-    def forward_backward(module):
-        return torch.autograd.grad(module(leaf), [leaf], dy)
-
-    out = {}
-    timer = Timer()
-    for label, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
-        number = calibrate(timer(lambda s=step: s(modules["torch"])), 5e-3)
-        samples = interleaved({k: (lambda s=step, m=m: s(m)) for k, m in modules.items()},
-                              timer, rounds, number)
-        out[label] = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
-    return out
+    return module_passes(modules, x, dy, rounds)
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = ["Timer", "interleaved", "calibrate", "median_ratio", "ratio_quartiles",
-           "copy_bandwidth", "graphed",
+           "module_passes", "copy_bandwidth", "graphed",
            "saved_bytes", "cuda_peak_bytes", "tensor_bytes"]
 
 
@@ -169,6 +169,40 @@ def interleaved(fns: dict[str, Callable[[], object]], timer: Timer, repeats: int
         for name in names[start:] + names[:start]:
             samples[name].append(timer(fns[name], number))
     return samples
+
+
+def module_passes(modules: dict[str, torch.nn.Module], x: torch.Tensor, dy: torch.Tensor,
+                  rounds: int, min_time: float = 5e-3) -> dict[str, dict[str, float]]:
+    """Median ms of each module's forward (no grad) and forward+backward (the gradient
+    ``dy`` to ``x``, as a leaf of its own layout), timed round-robin: ``{"fwd": {name:
+    ms}, "fwd+bwd": {name: ms}}``. Each measurement repeats the call so that it lasts
+    ``min_time`` as the first module runs it. For the scripts of ``benchmarks/`` that
+    compare modules on one input.
+
+    Example:
+        >>> mods = {"a": torch.nn.LayerNorm(8), "b": torch.nn.LayerNorm(8)}
+        >>> out = module_passes(mods, torch.randn(4, 8), torch.randn(4, 8), 3, 1e-4)
+        >>> sorted(out), sorted(out["fwd"])
+        (['fwd', 'fwd+bwd'], ['a', 'b'])
+    """
+    leaf = x.detach().requires_grad_()
+
+    def forward(module):
+        with torch.no_grad():
+            return module(x)
+
+    def forward_backward(module):
+        return torch.autograd.grad(module(leaf), [leaf], dy)
+
+    out = {}
+    timer = Timer()
+    first = next(iter(modules.values()))
+    for label, step in (("fwd", forward), ("fwd+bwd", forward_backward)):
+        number = calibrate(timer(lambda s=step: s(first)), min_time)
+        samples = interleaved({k: (lambda s=step, m=m: s(m)) for k, m in modules.items()},
+                              timer, rounds, number)
+        out[label] = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    return out
 
 
 def median_ratio(reference: Sequence[float], other: Sequence[float]) -> float:
