@@ -290,7 +290,14 @@ class RowRepair:
     def zeroed(self, dy: Tensor) -> Tensor:
         """A copy of ``dy`` with the repaired rows zero (``dy`` itself is left as it is),
         contiguous, on huge pages where large (:func:`~normkit.kernels.memory.empty_like`:
-        a fresh 16 MiB buffer's page faults cost more than the copy)."""
+        a fresh 16 MiB buffer's page faults cost more than the copy).
+
+        Example:
+            >>> repair = RowRepair(torch.tensor([1]), 2, torch.zeros(1, 2), None, None, None)
+            >>> dy = torch.ones(3, 2)
+            >>> repair.zeroed(dy).tolist(), dy.sum().item()
+            ([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]], 6.0)
+        """
         out = empty_like(dy, None, torch.contiguous_format).copy_(dy)
         out.view(-1, self.k).index_fill_(0, self.bad, 0)
         return out
@@ -298,7 +305,20 @@ class RowRepair:
     def backward(self, dy: Tensor, weight: Tensor | None, bias: Tensor | None,
                  mask: Sequence[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """``(dx, dweight, dbias)`` of the repaired rows: ``dx`` as ``(rows, k)``, the
-        parameter gradients their share, in the parameters' shapes."""
+        parameter gradients their share, in the parameters' shapes.
+
+        Example:
+            >>> x = torch.randn(3, 8, dtype=torch.float64)
+            >>> x[1] += 1e5
+            >>> y, mean, rstd = torch.native_layer_norm(x, (8,), None, None, 1e-5)
+            >>> repair = RowRepair.apply(y, x, 8, torch.tensor([1]), None, None, 1e-5)
+            >>> dy = torch.randn(3, 8, dtype=torch.float64)
+            >>> dx, _, _ = repair.backward(dy, None, None, [True, False, False])
+            >>> leaf = x.clone().requires_grad_()
+            >>> torch.nn.functional.layer_norm(leaf, (8,)).backward(dy)
+            >>> bool((dx - leaf.grad[1:2]).abs().max() < 1e-6)
+            True
+        """
         from ..norms._core import normalize_backward
 
         dx, dw, db = normalize_backward(
@@ -311,7 +331,24 @@ class RowRepair:
               mask: Sequence[bool], add: bool = False) -> tuple[Tensor | None, ...]:
         """The kernel's ``(dx, dweight, dbias)``, computed on :meth:`zeroed` ``dy``, with
         the repaired rows' gradients in: their ``dx`` rows written in (added with
-        ``add``: a residual's gradient already there), their parameter shares added."""
+        ``add``: a residual's gradient already there), their parameter shares added.
+
+        Example:
+            >>> x = torch.randn(3, 8)
+            >>> x[1] += 1e5
+            >>> w = torch.ones(8)
+            >>> y, mean, rstd = torch.native_layer_norm(x, (8,), w, None, 1e-5)
+            >>> repair = RowRepair.apply(y, x, 8, torch.tensor([1]), w, None, 1e-5)
+            >>> dy = torch.randn(3, 8)
+            >>> kernel = torch.ops.aten.native_layer_norm_backward(
+            ...     repair.zeroed(dy), x, [8], mean, rstd, w, None, [True, True, False])
+            >>> dx, dw, _ = repair.patch((kernel[0], kernel[1], None), dy, w, None,
+            ...                         [True, True, False])
+            >>> leaf, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+            >>> torch.nn.functional.layer_norm(leaf, (8,), w64).backward(dy.double())
+            >>> bool((dx - leaf.grad).abs().max() < 1e-4), bool((dw - w64.grad).abs().max() < 1e-4)
+            (True, True)
+        """
         dx, dw, db = grads
         dx_bad, dw_bad, db_bad = self.backward(dy, weight, bias, mask)
         if dx is not None and dx_bad is not None:
@@ -819,7 +856,15 @@ def group_norm_kernel_parts(x: Tensor, weight: Tensor | None, bias: Tensor | Non
                             groups: int, eps: float, blocks=None):
     """``(y, mean, rstd, backward, reference)`` of torch's GroupNorm kernels on ``x``, no
     autograd attached: the output (:func:`_group_norm_blocks`' when given), and the
-    backward and reference of :func:`kernel_node` (see :func:`group_norm_kernel`)."""
+    backward and reference of :func:`kernel_node` (see :func:`group_norm_kernel`).
+
+    Example:
+        >>> x = torch.randn(2, 4, 5)
+        >>> y, mean, rstd, backward, _ = group_norm_kernel_parts(x, None, None, 2, 1e-5)
+        >>> dx, _, _ = backward(torch.ones_like(y), x, None, None, [True, False, False])
+        >>> mean.shape, y.requires_grad, bool(dx.abs().max() < 1e-4)
+        (torch.Size([2, 2]), False, True)
+    """
     n, c = x.shape[:2]
     hxw = x.shape[2:].numel()
     if blocks is not None:

@@ -196,18 +196,65 @@ class AGC(torch.optim.Optimizer):
                         lambda self, value: setattr(self.optimizer, "defaults", value))
 
     def state_dict(self):
+        """The wrapped optimizer's ``state_dict`` (AGC itself keeps no state).
+
+        Example:
+            >>> import torch
+            >>> sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+            >>> AGC(sgd).state_dict()["param_groups"][0]["lr"]
+            0.1
+        """
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        """Load into the wrapped optimizer (a checkpoint of it, or of an AGC around it).
+
+        Example:
+            >>> import torch
+            >>> params = list(torch.nn.Linear(2, 1).parameters())
+            >>> agc = AGC(torch.optim.SGD(params, lr=0.1))
+            >>> agc.load_state_dict(torch.optim.SGD(params, lr=0.5).state_dict())
+            >>> agc.optimizer.param_groups[0]["lr"]
+            0.5
+        """
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``.
+
+        Example:
+            >>> import torch
+            >>> layer = torch.nn.Linear(2, 1)
+            >>> layer(torch.ones(1, 2)).sum().backward()
+            >>> AGC(torch.optim.SGD(layer.parameters(), lr=0.1)).zero_grad()
+            >>> layer.weight.grad is None
+            True
+        """
         self.optimizer.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
+        """Add a group to the wrapped optimizer (clipped from the next step on).
+
+        Example:
+            >>> import torch
+            >>> agc = AGC(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1))
+            >>> agc.add_param_group({"params": torch.nn.Linear(3, 1).parameters()})
+            >>> len(agc.param_groups)
+            2
+        """
         self.optimizer.add_param_group(param_group)
 
     def register_step_pre_hook(self, hook):
+        """Hooks of every kind are the wrapped optimizer's: they run around its step,
+        after the clipping (the five ``register_*`` methods alike).
+
+        Example:
+            >>> import torch
+            >>> agc = AGC(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1))
+            >>> handle = agc.register_step_pre_hook(lambda opt, args, kwargs: None)
+            >>> len(agc.optimizer._optimizer_step_pre_hooks)
+            1
+        """
         return self.optimizer.register_step_pre_hook(hook)
 
     def register_step_post_hook(self, hook):
