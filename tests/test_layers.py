@@ -352,6 +352,9 @@ _ROW_LAYERS = {
     "AddLayerNorm": (lambda: normkit.AddLayerNorm(64), (40, 64), None, True),
     "GroupNorm NCHW": (lambda: normkit.GroupNorm(4, 16), (8, 16, 5, 5), None, False),
     "GroupNorm NCHW, 3D": (lambda: normkit.GroupNorm(2, 8), (6, 8, 7), None, False),
+    "InstanceNorm2d NCHW": (lambda: normkit.InstanceNorm2d(16, affine=True,
+                                                           track_running_stats=True),
+                            (8, 16, 5, 5), None, False),
 }
 
 
@@ -395,8 +398,10 @@ def test_each_sample_is_normalized_as_if_alone(name, offset_samples, dtype, path
     def first(out):
         return out[0] if isinstance(out, tuple) else out
 
+    running = copy.deepcopy(dict(module.named_buffers()))
     out = module(*inputs)
     y = first(out)
+    updated = copy.deepcopy(dict(module.named_buffers()))  # (before the calls alone)
     with torch.no_grad():
         for i in range(shape[0]):
             alone = first(module(*(t[i:i + 1].detach() for t in inputs)))
@@ -410,6 +415,14 @@ def test_each_sample_is_normalized_as_if_alone(name, offset_samples, dtype, path
     else:
         ref = reference_forward(twin, refs[0])
     assert_close(y, ref, dtype, f"{name} output")
+    if "running_mean" in running:  # (InstanceNorm: the batch-averaged instance statistics)
+        x64, m = inputs[0].detach().double(), module.momentum  # (as rounded to dtype)
+        means = x64.flatten(2).mean(-1).mean(0)
+        variances = x64.flatten(2).var(-1).mean(0)
+        assert_close(updated["running_mean"], (1 - m) * running["running_mean"].double()
+                     + m * means, dtype, f"{name} running_mean")
+        assert_close(updated["running_var"], (1 - m) * running["running_var"].double()
+                     + m * variances, dtype, f"{name} running_var")
     dy = torch.randn(shape, dtype=torch.float64)
     if residual:  # (a gradient through the new residual stream too, as a block sends one)
         ds = torch.randn(shape, dtype=torch.float64)

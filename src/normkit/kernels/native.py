@@ -63,7 +63,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "HALF_BACKWARD_ONE_CALL_BELOW",
            "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES", "repair_rows", "RowRepair",
-           "ill_conditioned_rows", "single_value",
+           "ill_conditioned_rows", "single_value", "group_norm_with_stats",
            "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like",
            "sample_blocks", "group_norm_by_samples", "float64_total", "inference_kernel"]
@@ -1353,10 +1353,11 @@ def instance_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None,
                                   None if bias is None else bias.repeat(n), mean, var,
                                   invstd, eps).view(x.shape)
         return (y, mean.view(n, c), var.view(n, c)) if stats else (y, None, None)
-    weight, bias = kernel_params(x, (c,), weight, bias)  # (16-bit x: float32 statistics)
-    y, mean, rstd = group_norm_kernel(x, weight, bias, c, eps)
-    if not well_conditioned(mean, rstd, THRESHOLDS["group_norm"]):
+    # (one group per channel: the channels past the kernel's bound repaired one by one)
+    out = group_norm_with_stats(x, c, weight, bias, eps)
+    if out is None:
         return None
+    y, mean, rstd = out
     if not stats:
         return y, None, None
     var = rstd.detach().double().pow(-2).sub_(eps).clamp_(min=0).to(rstd.dtype)
@@ -1677,7 +1678,8 @@ def ratio_within(mean: Tensor, var: Tensor, eps: float, threshold: float) -> boo
 
 def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None,
                eps: float) -> Tensor | None:
-    """torch's fused GroupNorm for contiguous input when accurate, else ``None``.
+    """torch's fused GroupNorm for contiguous input when accurate, else ``None``: the
+    output of :func:`group_norm_with_stats`.
 
     (torch's channels_last GroupNorm uses an unshifted sum of squares, so it is never
     used here.)
@@ -1686,12 +1688,39 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
         >>> group_norm(torch.randn(2, 4, 3), 2, None, None, 1e-5).shape
         torch.Size([2, 4, 3])
     """
+    out = group_norm_with_stats(x, num_groups, weight, bias, eps)
+    return None if out is None else out[0]
+
+
+def group_norm_with_stats(x: Tensor, num_groups: int, weight: Tensor | None,
+                          bias: Tensor | None, eps: float
+                          ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """torch's fused GroupNorm of contiguous ``(N, C, *)`` input, group by group where
+    accurate: ``(y, mean, rstd)`` with ``(N, G)`` statistics (no autograd on them), else
+    ``None``.
+
+    The groups past the kernel's bound (:data:`THRESHOLDS`) are normalized again by the
+    compensated core (:class:`RowRepair`, per-channel affine) and their statistics are
+    the compensated ones; the other groups keep the kernel's result, so each sample gets
+    the same bits alone or in any batch, as with torch's GroupNorm (see
+    :func:`repair_rows`). ``None`` when every group is past the bound: the caller's
+    compensated path gives those groups the same bits. InstanceNorm is this with one
+    group per channel (:func:`instance_norm`).
+
+    Example:
+        >>> x = torch.randn(3, 4, 5)
+        >>> x[1, :2] = x[1, :2] * 0.01 + 3000.0  # one group far off its spread
+        >>> y, mean, rstd = group_norm_with_stats(x, 2, None, None, 1e-5)
+        >>> ref = torch.nn.functional.group_norm(x.double(), 2)
+        >>> bool((y - ref).abs().max() < 1e-5), mean.shape, round(float(mean[1, 0]))
+        (True, torch.Size([3, 2]), 3000)
+    """
     if not _plain_dense(x) or not kernel_dtypes(x, weight, bias):
         return None
     weight, bias = kernel_params(x, x.shape[1:2], weight, bias)  # (16-bit x: float32 stats)
     y, mean, rstd = group_norm_kernel(x, weight, bias, num_groups, eps)
     if well_conditioned(mean, rstd, THRESHOLDS["group_norm"]):
-        return y
+        return y, mean, rstd
     # the groups past the bound by the compensated core, the others as the kernel left
     # them: each sample its own bits, as with torch's GroupNorm (see repair_rows)
     bad = ill_conditioned_rows(mean, rstd, THRESHOLDS["group_norm"])
@@ -1716,7 +1745,10 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
                                    affine_view(weight, view), affine_view(bias, view),
                                    eps)[0].flatten(1, 2)
 
-    return kernel_node(x, weight, bias, y, backward, reference)
+    mean, rstd = mean.detach().clone(), rstd.detach().clone()
+    mean.view(-1).index_copy_(0, bad, (repair.mean_hi + repair.mean_lo).view(-1).to(mean.dtype))
+    rstd.view(-1).index_copy_(0, bad, repair.rstd.view(-1).to(rstd.dtype))
+    return kernel_node(x, weight, bias, y, backward, reference), mean, rstd
 
 
 # ------------------------------------------------------------------ LayerNorm2d on NCHW
