@@ -113,6 +113,14 @@ def reference_forward(module, x: torch.Tensor, input_dtype: torch.dtype | None =
             wide = input_dtype == torch.float64
             eps = torch.finfo(torch.float64 if wide else torch.float32).eps
         return normalize64(x, tuple(range(x.dim() - k, x.dim())), w, None, eps, center=False)
+    if name == "GroupNormAct":  # (GroupNorm's oracle, then the activation in float64)
+        act = {"relu": torch.relu, "identity": lambda t: t, "silu": torch.nn.functional.silu,
+               "gelu": torch.nn.functional.gelu,
+               "leaky_relu": lambda t: torch.nn.functional.leaky_relu(t, module.negative_slope),
+               "elu": lambda t: torch.nn.functional.elu(t, module.alpha)}[module.act]
+        plain = type("GroupNorm", (), {"num_groups": module.num_groups, "eps": module.eps,
+                                       "weight": w, "bias": b})()
+        return act(reference_forward(plain, x, input_dtype))
     if name == "GroupNorm":
         g = module.num_groups
         xg = x.unflatten(1, (g, x.shape[1] // g))

@@ -1339,17 +1339,23 @@ def _activate(activation: Activation, y: Tensor, reference: bool) -> Tensor:
 
 
 def _group_norm_for_act(x, weight, bias, groups, eps, use_native, for_backward=True):
-    """``(y, mean, rstd, path)``: GroupNorm of ``x`` in its layout, a fresh tensor, by the
-    path :class:`_GroupNormActFunction` describes (``mean``/``rstd`` ``None`` on the
-    compensated path, which its backward recomputes). Without a backward to come
-    (``for_backward=False``) 16-bit channels-last input from ``GROUP_NORM_MIN_POSITIONS``
-    positions takes torch's channels-last forward kernel itself, as
-    :func:`normkit.functional.group_norm` does."""
+    """``(y, mean, rstd, path, repair)``: GroupNorm of ``x`` in its layout, a fresh
+    tensor, by the path :class:`_GroupNormActFunction` describes (``mean``/``rstd``
+    ``None`` on the compensated path, which its backward recomputes). Without a backward
+    to come (``for_backward=False``) 16-bit channels-last input from
+    ``GROUP_NORM_MIN_POSITIONS`` positions takes torch's channels-last forward kernel
+    itself, as :func:`normkit.functional.group_norm` does.
+
+    Where torch's NCHW kernel ran and some groups (not all) are past its bound, those
+    groups are normalized again by the compensated core (``repair``, a
+    :class:`~normkit.kernels.native.RowRepair`, else ``None``) and the others keep the
+    kernel's result: each sample its own bits, as :func:`normkit.functional.group_norm`
+    gives them, and one blank image no longer sends the batch to the compensated path."""
     n, c = x.shape[:2]
     layout = F._channels_last_format(x)
     fast = use_native and x.dtype in _WIDE and _same_dtype(x, weight, bias)
     half = use_native and x.dtype in _HALF and native.kernel_dtypes(x, weight, bias)
-    y = mean = rstd = None
+    y = mean = rstd = repair = None
     path = "robust"
     if (fast and layout is not None
             and x.shape[2:].numel() >= channels.GROUP_NORM_MIN_POSITIONS):
@@ -1369,9 +1375,14 @@ def _group_norm_for_act(x, weight, bias, groups, eps, use_native, for_backward=T
                                                 w, b, n, c, x.numel() // (n * c), groups, eps)
         bound = channels.RATIO if kernel_layout else native.THRESHOLDS["group_norm"]
         if not native.well_conditioned(mean, rstd, bound):
-            y = mean = rstd = None
-            path = "robust"
-        elif path == "native-nchw":
+            bad = None if kernel_layout else native.ill_conditioned_rows(mean, rstd, bound)
+            if bad is None or bad.numel() == mean.numel():
+                y = mean = rstd = None
+                path = "robust"
+            else:  # (the groups past the bound only; y is the kernel's NCHW output)
+                repair = native.RowRepair.apply(y, x.contiguous(), x.numel() // mean.numel(),
+                                                bad, w, b, eps, groups=groups)
+        if path == "native-nchw":
             y = y.contiguous(memory_format=layout)
     if y is None:  # compensated statistics (normkit's core), recomputed in backward
         w, b = _group_params(x, groups, weight, bias)
@@ -1379,7 +1390,7 @@ def _group_norm_for_act(x, weight, bias, groups, eps, use_native, for_backward=T
                       eps)[0].flatten(1, 2)
         if layout is not None:
             y = y.contiguous(memory_format=layout)
-    return y, mean, rstd, path
+    return y, mean, rstd, path, repair
 
 
 def _group_norm_act_blocks(x: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -1486,12 +1497,12 @@ class _GroupNormActFunction(torch.autograd.Function):
             x, weight, bias, groups, eps, act, keep_input=not act.from_output)
         if blocked is not None:
             out, pre, mean, rstd = blocked
-            path = "native-blocks"
+            path, repair = "native-blocks", None
         else:
-            y, mean, rstd, path = _group_norm_for_act(x, weight, bias, groups, eps,
-                                                      use_native)
+            y, mean, rstd, path, repair = _group_norm_for_act(x, weight, bias, groups, eps,
+                                                              use_native)
             out, pre = _activate_output(act, y)
-        ctx.act, ctx.eps, ctx.groups, ctx.path = act, eps, groups, path
+        ctx.act, ctx.eps, ctx.groups, ctx.path, ctx.repair = act, eps, groups, path, repair
         ctx.save_for_backward(x, _kept_output(act, out), pre, weight, bias, mean, rstd)
         return out
 
@@ -1524,11 +1535,17 @@ class _GroupNormActFunction(torch.autograd.Function):
             dy = act.backward(dz, z, y)
             if ctx.path in ("native", "native-nchw"):
                 layout = F._channels_last_format(x) if ctx.path == "native" else None
-                w = native.kernel_params(x, (c,), weight, bias)[0]  # (as the forward's)
-                grads = _param_dtypes(native.group_norm_backward(
-                    dy.contiguous(memory_format=layout or torch.contiguous_format),
-                    x if layout else x.contiguous(), mean, rstd, w, n, c,
-                    x.numel() // (n * c), groups, mask), weight, bias)
+                w, b = native.kernel_params(x, (c,), weight, bias)  # (as the forward's)
+                repair = ctx.repair
+                kernel_dy = dy.contiguous(memory_format=layout or torch.contiguous_format)
+                if repair is not None:  # (the repaired groups' gradients from their own
+                    kernel_dy = repair.zeroed(kernel_dy)  # statistics, the rest's zeroed)
+                grads = native.group_norm_backward(
+                    kernel_dy, x if layout else x.contiguous(), mean, rstd, w, n, c,
+                    x.numel() // (n * c), groups, mask)
+                if repair is not None:
+                    grads = repair.patch(grads, dy, w, b, mask)
+                grads = _param_dtypes(grads, weight, bias)
             else:
                 grads = channels.backward(dy, x, mean, rstd, weight,
                                           channels.Pool("group", groups), mask)
