@@ -20,7 +20,7 @@ from cases import (
 from oracle import assert_close, assert_grad_close, normalize64, reference_forward
 
 import normkit
-from normkit.kernels import native
+from normkit.kernels import channels, native
 from normkit.norms import fused
 
 # small inputs through normkit's fused rows node, not torch's composite (conftest.py)
@@ -342,22 +342,55 @@ def test_shape_inference_without_data(name, without_data):
 
 
 #: Per-sample layers that normalize each sample alone, bit for bit, each with an input
-#: shape whose samples can be offset, its memory format, and whether it takes a residual
-#: (whose sum is normalized).
+#: shape whose samples can be offset, its memory format, whether it takes a residual
+#: (whose sum is normalized), and the size floors to lower so that a sample alone takes
+#: the batch's path (``(module, name): value``; paths are chosen by size, and different
+#: paths round differently).
+_CL = torch.channels_last
+_ENGINE = {(channels, "MIN_ELEMENTS"): 0, (channels, "GROUP_NORM_MIN_POSITIONS"): 16}
+_LN2D_PER_SAMPLE = {(native, "LAYER_NORM2D_MIN_ELEMENTS"): 0,
+                    (native, "LAYER_NORM2D_CHANNEL_SUMS"): ((0, 0), (0, 0)),
+                    (native, "LAYER_NORM2D_CHANNEL_SUMS_INFERENCE"): ((0, 0), (0, 0)),
+                    (native, "LAYER_NORM2D_MIN_POSITIONS"): (1, 1),
+                    (native, "LAYER_NORM2D_MIN_POSITIONS_INFERENCE"): (1, 1),
+                    (native, "LAYER_NORM2D_MIN_POSITIONS_16BIT"): (1, 1),
+                    (native, "LAYER_NORM2D_MIN_POSITIONS_16BIT_INFERENCE"): (1, 1)}
+_LN2D_CHANNEL_SUMS = {**_LN2D_PER_SAMPLE,
+                      (native, "LAYER_NORM2D_CHANNEL_SUMS"): ((1, 1 << 30),) * 2,
+                      (native, "LAYER_NORM2D_CHANNEL_SUMS_INFERENCE"): ((1, 1 << 30),) * 2,
+                      (native, "LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS"): (0, 0),
+                      (native, "LAYER_NORM2D_CHANNEL_SUMS_MIN_ELEMENTS_INFERENCE"): (0, 0)}
 _ROW_LAYERS = {
-    "LayerNorm": (lambda: normkit.LayerNorm(64), (40, 64), None, False),
+    "LayerNorm": (lambda: normkit.LayerNorm(64), (40, 64), None, False, {}),
     "LayerNorm over (4, 16)": (lambda: normkit.LayerNorm((4, 16)), (12, 3, 4, 16), None,
-                               False),
-    "LayerNorm2d channels_last": (lambda: normkit.LayerNorm2d(32), (6, 32, 5, 5),
-                                  torch.channels_last, False),
-    "AddLayerNorm": (lambda: normkit.AddLayerNorm(64), (40, 64), None, True),
-    "GroupNorm NCHW": (lambda: normkit.GroupNorm(4, 16), (8, 16, 5, 5), None, False),
-    "GroupNorm NCHW, 3D": (lambda: normkit.GroupNorm(2, 8), (6, 8, 7), None, False),
+                               False, {}),
+    "LayerNorm2d channels_last": (lambda: normkit.LayerNorm2d(32), (6, 32, 5, 5), _CL,
+                                  False, {}),
+    "LayerNorm2d NCHW": (lambda: normkit.LayerNorm2d(16), (8, 16, 5, 5), None, False, {}),
+    "LayerNorm2d NCHW, per sample": (lambda: normkit.LayerNorm2d(16), (6, 16, 8, 8), None,
+                                     False, _LN2D_PER_SAMPLE),
+    "LayerNorm2d NCHW, channel sums": (lambda: normkit.LayerNorm2d(16), (6, 16, 8, 8), None,
+                                       False, _LN2D_CHANNEL_SUMS),
+    "AddLayerNorm": (lambda: normkit.AddLayerNorm(64), (40, 64), None, True, {}),
+    "GroupNorm NCHW": (lambda: normkit.GroupNorm(4, 16), (8, 16, 5, 5), None, False, {}),
+    "GroupNorm NCHW, 3D": (lambda: normkit.GroupNorm(2, 8), (6, 8, 7), None, False, {}),
+    "GroupNorm channels_last": (lambda: normkit.GroupNorm(4, 16), (8, 16, 5, 5), _CL, False,
+                                {}),
+    "GroupNorm channels_last, engine": (lambda: normkit.GroupNorm(4, 16), (6, 16, 8, 8), _CL,
+                                        False, _ENGINE),
     "GroupNormAct NCHW": (lambda: normkit.GroupNormAct(4, 16, act="relu"), (8, 16, 5, 5),
-                          None, False),
+                          None, False, {}),
+    "GroupNormAct channels_last": (lambda: normkit.GroupNormAct(4, 16, act="relu"),
+                                   (8, 16, 5, 5), _CL, False, {}),
+    "GroupNormAct channels_last, engine": (lambda: normkit.GroupNormAct(4, 16, act="relu"),
+                                           (6, 16, 8, 8), _CL, False, _ENGINE),
     "InstanceNorm2d NCHW": (lambda: normkit.InstanceNorm2d(16, affine=True,
                                                            track_running_stats=True),
-                            (8, 16, 5, 5), None, False),
+                            (8, 16, 5, 5), None, False, {}),
+    "InstanceNorm2d channels_last": (lambda: normkit.InstanceNorm2d(
+        16, affine=True, track_running_stats=True), (8, 16, 5, 5), _CL, False, {}),
+    "InstanceNorm2d channels_last, engine": (lambda: normkit.InstanceNorm2d(
+        16, affine=True, track_running_stats=True), (6, 16, 8, 8), _CL, False, _ENGINE),
 }
 
 
@@ -380,7 +413,9 @@ def test_each_sample_is_normalized_as_if_alone(name, offset_samples, dtype, path
         # (the blocked kernel from any size, in blocks of a few rows)
         monkeypatch.setattr(native, "fresh_out_like", lambda x, *a, **k: torch.empty_like(x))
         monkeypatch.setattr(native, "LAYER_NORM_BLOCK_BYTES", 1024)
-    make, shape, memory_format, residual = _ROW_LAYERS[name]
+    make, shape, memory_format, residual, floors = _ROW_LAYERS[name]
+    for (where, attr), value in floors.items():
+        monkeypatch.setattr(where, attr, value)
     # (GroupNormAct's one autograd node at any size; ReLU, exact in vector code and scalar
     # tails alike: torch's elementwise SiLU itself rounds a sample alone differently)
     monkeypatch.setattr(fused, "FUSED_ACT_MIN_ELEMENTS", 1)

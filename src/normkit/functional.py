@@ -451,6 +451,13 @@ def instance_norm(
             fast = native.instance_norm(input.contiguous(), weight, bias, eps, stats)
             if fast is not None:
                 fast = (fast[0].contiguous(memory_format=layout), *fast[1:])
+        if fast is None and layout is not None:
+            # channels-last input past every fast path: the compensated core on an NCHW
+            # copy, the bits the per-channel repair of the paths above gives such
+            # channels (so a sample's result does not depend on the batch around it)
+            y, mean, var = normalize(input.contiguous(), dims, affine_view(weight, view),
+                                     affine_view(bias, view), eps)
+            fast = y.contiguous(memory_format=layout), mean, var
     y, mean, var = fast if fast is not None else normalize(
         input, dims, affine_view(weight, view), affine_view(bias, view), eps, backend=backend)
     n, c = input.shape[:2]
@@ -646,10 +653,14 @@ def layer_norm2d(
             y = native.layer_norm2d_nchw(input, weight, bias, eps,
                                          _reference((1,), (1, input.shape[1], 1), eps))
             if y is None:
-                y = native.layer_norm(last.contiguous(), (input.shape[1],), weight, bias, eps)
-                y = None if y is None else y.movedim(-1, 1).contiguous()
-            if y is not None:
-                return y
+                rows = last.contiguous()
+                y = native.layer_norm(rows, (input.shape[1],), weight, bias, eps)
+                if y is None:  # (the compensated core on those rows: the bits the row
+                    # repair gives a row past the kernel's bound, so a sample's result
+                    # does not depend on the batch around it)
+                    y = normalize(rows, (rows.dim() - 1,), weight, bias, eps)[0]
+                y = y.movedim(-1, 1).contiguous()
+            return y
     elif backend == "auto" and input.dim() > 1:
         last = input.movedim(1, -1)  # torch.compile: channels-last input, one operator
         if in_graph() and library.serves_layer_norm(last, weight, bias):
@@ -760,8 +771,9 @@ def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
     """GroupNorm of channels-last input without copies: torch's kernels both ways below
     :data:`~normkit.kernels.channels.GROUP_NORM_MIN_POSITIONS` positions (at any size:
     on small inputs the copies to NCHW and back cost more than the kernel), the
-    slice-sums engine from there up (see there why); ``None`` when the data are
-    ill-conditioned or neither serves them. 16-bit input (which the engine does not
+    slice-sums engine from there up (see there why), either with the groups past its
+    bound renormalized by the compensated core (each sample its own result); ``None``
+    when every group is past it or neither serves them. 16-bit input (which the engine does not
     serve) takes torch's channels-last kernel from those positions up when no gradient is
     needed (its float32 sums, 2.5e-5 to 6.3e-5 off at 56 x 56 to 128 x 128 positions,
     ACCURACY.md, stay far under the output's rounding); else ``None``: the NCHW kernels
@@ -774,11 +786,9 @@ def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
                                             for t in (x, weight, bias)))
     else:
         kernel = not many and channels.wide(x, weight, bias)
-    if kernel:
-        n, c = x.shape[:2]
-        w, b = native.kernel_params(x, (c,), weight, bias)  # (float32 statistics)
-        y, mean, rstd = native.group_norm_kernel(x, w, b, groups, eps)
-        return y if native.well_conditioned(mean, rstd, channels.RATIO) else None
+    if kernel:  # (the groups past the bound renormalized, the others kept: native.RowRepair)
+        out = native.group_norm_with_stats(x, groups, weight, bias, eps, channels.RATIO)
+        return None if out is None else out[0]
     if not many or not channels.supports(x, weight, bias):
         return None
     per_group = x.shape[1] // groups

@@ -32,7 +32,11 @@ come from that kernel on each sample's folded matrix.
 Accuracy: ``var = E[x^2] - E[x]^2`` loses a factor ``1 + r^2`` (``r = |mean| / std`` of a
 pooled group) of the sums' relative error (2-5 ulps for torch's cascaded row sums), so
 a result is kept only when every group has ``r <= RATIO``; otherwise the caller takes
-another path (torch's kernel where accurate, else normkit's compensated one). A larger
+another path (torch's kernel where accurate, else normkit's compensated one) -- except
+that InstanceNorm and GroupNorm, whose groups are each sample's own, renormalize only the
+groups past the bound by normkit's compensated core and keep the others
+(:func:`group_moments`, :func:`repair_groups`): one blank image does not move the batch
+to a slower path, nor change the other samples' bits. A larger
 true ``r`` cannot pass the check: the computed variance is at most the true one plus
 ``1e-6 * mean^2``. The folded affine ``x * a + b`` (``b = beta - mean * a``) costs one more
 rounding of relative size ``r * 6e-8``. Measured max error vs float64 (float32,
@@ -56,14 +60,18 @@ from .memory import empty_like, out_like
 from .native import (
     CHANNELS_LAST_BACKWARD_MAX_COUNT,
     CHANNELS_LAST_MAX_COUNT,
+    RowRepair,
     backward_by_reference,
     channels_last_format,
+    ill_conditioned_rows,
+    kernel_node,
     reference_grads,
     strided_like,
     well_conditioned,
 )
 
 __all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "wide", "supports", "moments",
+           "group_moments", "repair_groups",
            "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "normalize_by",
            "serves_batch_norm", "rows_as_channels_last", "channels_last_as_rows"]
 
@@ -519,6 +527,66 @@ def _whole_fold_sums(g: Tensor, x: Tensor, mean: Tensor | None
                  for t in (s1, sx))
 
 
+def group_moments(x: Tensor, pool: Pool, eps: float
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    """:func:`moments` that keeps the groups under the bound: ``(mean, var, rstd, bad)``
+    with ``bad`` the indices ``n * G + g`` of the ``(sample, group)`` groups past
+    :data:`RATIO` (``G`` is ``C`` for InstanceNorm), for :func:`repair_groups`, or
+    ``None`` where every group is under it. ``None`` as a whole where every group is past
+    it, and for BatchNorm (whose groups pool every sample) past it.
+
+    Example:
+        >>> x = torch.randn(3, 4, 8, 8)
+        >>> x[1, 2] += 100.0  # one (sample, channel) far off its spread
+        >>> mean, var, rstd, bad = group_moments(x, Pool("instance"), 1e-5)
+        >>> bad.tolist(), mean.shape
+        ([6], torch.Size([3, 4]))
+    """
+    mean, var, rstd = _moments(x, pool, eps)
+    if well_conditioned(mean, rstd, RATIO):
+        return mean, var, rstd, None
+    if pool.kind == "batch":
+        return None
+    n, c = mean.shape
+    groups = c if pool.kind == "instance" else pool.groups
+    first = (slice(None), slice(None), 0)  # (one slice per group: its stats are the group's)
+    bad = ill_conditioned_rows(mean.view(n, groups, -1)[first], rstd.view(n, groups, -1)[first],
+                               RATIO)
+    if bad.numel() == n * groups:
+        return None
+    return mean, var, rstd, bad
+
+
+def repair_groups(y: Tensor, x: Tensor, pool: Pool, bad: Tensor, weight: Tensor | None,
+                  bias: Tensor | None, eps: float) -> RowRepair:
+    """The groups ``bad`` (:func:`group_moments`) of ``x`` normalized by normkit's
+    compensated core into ``y`` in place, in ``x``'s layout (a
+    :class:`~normkit.kernels.native.RowRepair`: its ``zeroed`` and ``patch`` serve the
+    backward).
+
+    Example:
+        >>> x = torch.randn(3, 4, 8, 8).contiguous(memory_format=torch.channels_last)
+        >>> x[1, 2] = x[1, 2] * 0.01 + 100.0
+        >>> mean, var, rstd, bad = group_moments(x, Pool("instance"), 1e-5)
+        >>> y = affine(x, mean, rstd, None, None)
+        >>> _ = repair_groups(y, x, Pool("instance"), bad, None, None, 1e-5)
+        >>> ref = torch.nn.functional.instance_norm(x.double())
+        >>> bool((y - ref).abs().max() < 1e-5)
+        True
+    """
+    n, c = x.shape[:2]
+    groups = c if pool.kind == "instance" else pool.groups
+    return RowRepair.apply(y, x, x.numel() // (n * groups), bad, weight, bias, eps,
+                           groups=groups)
+
+
+def _per_group(stats: tuple[Tensor, ...], pool: Pool) -> tuple[Tensor, ...]:
+    """``(N, C)`` per-slice statistics as ``(N, G)``, one value per group."""
+    n, c = stats[0].shape
+    groups = c if pool.kind == "instance" else pool.groups
+    return tuple(t.view(n, groups, -1)[:, :, 0] for t in stats)
+
+
 def moments(x: Tensor, pool: Pool, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
     """Pooled ``(mean, var, rstd)`` per slice, or ``None`` when a group is ill-conditioned.
 
@@ -532,14 +600,19 @@ def moments(x: Tensor, pool: Pool, eps: float) -> tuple[Tensor, Tensor, Tensor] 
         >>> moments(x + 100.0, Pool("batch"), 1e-5) is None
         True
     """
+    mean, var, rstd = _moments(x, pool, eps)
+    if not well_conditioned(mean, rstd, RATIO):
+        return None
+    return mean, var, rstd
+
+
+def _moments(x: Tensor, pool: Pool, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`moments` without the accuracy check."""
     s1, s2 = _slice_sums(x, pool)
     count = pool.count(x)
     mean = pool.sum(s1).div_(count)
     var = pool.sum(s2).div_(count).sub_(mean * mean).clamp_(min=0)
-    rstd = torch.rsqrt(var + eps)
-    if not well_conditioned(mean, rstd, RATIO):
-        return None
-    return mean, var, rstd
+    return mean, var, torch.rsqrt(var + eps)
 
 
 def _per_slice(t: Tensor, n: int) -> Tensor:
@@ -775,11 +848,27 @@ def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, pool: Pool,
     """
     if not supports(x, weight, bias):
         return None
-    stats = moments(x.detach(), pool, eps)
+    stats = group_moments(x.detach(), pool, eps)
     if stats is None:
         return None
-    mean, var, rstd = stats
-    return normalize_by(x, weight, bias, mean, rstd, pool, reference), mean, var
+    mean, var, rstd, bad = stats
+    if bad is None:
+        return normalize_by(x, weight, bias, mean, rstd, pool, reference), mean, var
+    # InstanceNorm / GroupNorm with groups past the bound: those by the compensated core,
+    # the others as the engine gives them (each sample its own result)
+    with torch.no_grad():
+        y = affine(x.detach(), mean, rstd, weight, bias)
+    repair = repair_groups(y, x, pool, bad, weight, bias, eps)
+
+    def grads(dy, x, weight, bias, mask):
+        kernel = backward(repair.zeroed(dy), x, mean, rstd, weight, pool, tuple(mask))
+        return repair.patch(kernel, dy, weight, bias, mask)
+
+    y = kernel_node(x, weight, bias, y, grads, reference)
+    group_stats = repair.statistics(*_per_group((mean, rstd, var), pool))
+    mean, _, var = (t.repeat_interleave(mean.shape[1] // t.shape[1], dim=1)
+                    for t in group_stats)
+    return y, mean, var
 
 
 def normalize_by(x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,

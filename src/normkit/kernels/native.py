@@ -63,7 +63,7 @@ __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batc
            "half_statistics", "HALF_STATISTICS_RATIO",
            "layer_norm_backward", "HALF_BACKWARD_BLOCK_BYTES", "HALF_BACKWARD_ONE_CALL_BELOW",
            "layer_norm_blocks", "LAYER_NORM_BLOCK_BYTES", "repair_rows", "RowRepair",
-           "ill_conditioned_rows", "single_value", "group_norm_with_stats",
+           "ill_conditioned_rows", "rows_past", "single_value", "group_norm_with_stats",
            "kernel_node",
            "batch_norm_kernel", "group_norm_kernel", "weight_for_bias", "strided_like",
            "sample_blocks", "group_norm_by_samples", "float64_total", "inference_kernel"]
@@ -242,29 +242,98 @@ class RowRepair:
         ([1], True)
     """
 
-    def __init__(self, bad: Tensor, k: int, rows: Tensor, mean_hi: Tensor | None,
-                 mean_lo: Tensor | None, rstd: Tensor | None, groups: int | None = None
-                 ) -> None:
+    def __init__(self, bad: Tensor, k: int, rows: Tensor | None, mean_hi: Tensor | None,
+                 mean_lo: Tensor | None, rstd: Tensor | None, groups: int | None = None,
+                 layout: torch.memory_format = torch.contiguous_format,
+                 positions: bool = False) -> None:
         self.bad, self.k, self.rows, self.groups = bad, k, rows, groups
         self.mean_hi, self.mean_lo, self.rstd = mean_hi, mean_lo, rstd
+        self.var: Tensor | None = None
+        self.layout, self.positions = layout, positions
 
     @classmethod
     def apply(cls, y: Tensor, x: Tensor, k: int, bad: Tensor, weight: Tensor | None,
-              bias: Tensor | None, eps: float, groups: int | None = None) -> RowRepair:
-        """Rows ``bad`` of ``x``'s ``(M, k)`` view, normalized into those of ``y``'s.
+              bias: Tensor | None, eps: float, groups: int | None = None,
+              positions: bool = False) -> RowRepair:
+        """Rows ``bad`` of ``x``'s ``(M, k)`` rows, normalized into those of ``y``.
 
-        ``groups``: the rows are the ``(n, g)`` groups of NCHW GroupNorm (row ``n * G +
-        g``), whose affine is per channel, ``C / G`` channels of ``k * G / C`` positions
-        each; else one weight and bias of ``k`` values serve every row (LayerNorm)."""
+        ``groups``: the rows are the ``(n, g)`` groups of GroupNorm (row ``n * G + g``;
+        InstanceNorm: one group per channel), whose affine is per channel, ``C / G``
+        channels of ``k * G / C`` positions each, in any memory format (a channels-last
+        group is gathered from its strided positions and written back to them).
+        ``positions``: the rows are the positions of contiguous ``(N, C, L)`` input, each
+        row its ``C = k`` channels (row ``n * L + l``: LayerNorm2d on NCHW). Else rows of
+        contiguous ``x`` and ``y``. Without ``groups`` one weight and bias of ``k`` values
+        serve every row (LayerNorm)."""
         from ..norms._core import normalize_forward
 
-        rows = x.detach().reshape(-1, k).index_select(0, bad)
-        repair = cls(bad, k, rows, None, None, None, groups)
+        layout = torch.contiguous_format if groups is None else (
+            channels_last_format(x) or torch.contiguous_format)
+        repair = cls(bad, k, None, None, None, None, groups, layout, positions)
+        repair.rows = rows = repair._take(x.detach())
         with torch.no_grad():
-            y_bad, repair.mean_hi, repair.mean_lo, _, repair.rstd = normalize_forward(
+            y_bad, repair.mean_hi, repair.mean_lo, repair.var, repair.rstd = normalize_forward(
                 rows, (1,), repair._affine(weight), repair._affine(bias), eps)
-            y.view(-1, k).index_copy_(0, bad, y_bad.to(y.dtype))
+            repair._put(y, y_bad.to(y.dtype))
         return repair
+
+    def _indexed(self, t: Tensor, write: bool = False
+                 ) -> tuple[Tensor, tuple[Tensor, Tensor]] | None:
+        """``(view, index)``: ``t`` seen so that ``view[index]`` are the repaired rows
+        (channels-last groups, channels-first positions; a view of ``t`` to ``write``
+        through, which raises rather than copies), or ``None`` where they are rows of
+        ``t``'s ``(M, k)`` view."""
+        if self.positions:
+            shape = (t.shape[0], t.shape[1], -1)
+            view = (t.view(shape) if write else t.reshape(shape)).transpose(1, 2)  # (N, L, C)
+        elif self.groups is not None and not t.is_contiguous():
+            view = t.unflatten(1, (self.groups, t.shape[1] // self.groups))
+        else:
+            return None
+        inner = view.shape[1]
+        return view, (self.bad // inner, self.bad % inner)
+
+    def _take(self, t: Tensor) -> Tensor:
+        """The repaired rows of ``t``, as a ``(rows, k)`` tensor of their own."""
+        indexed = self._indexed(t)
+        if indexed is None:
+            return t.reshape(-1, self.k).index_select(0, self.bad)
+        view, index = indexed
+        return view[index].reshape(-1, self.k)
+
+    def _put(self, t: Tensor, rows: Tensor, add: bool = False) -> None:
+        """Write (``add``: add) ``(rows, k)`` ``rows`` into the repaired rows of ``t``
+        (in place: ``t`` must hold them in its own memory)."""
+        indexed = self._indexed(t, write=True)
+        if indexed is None:
+            view = t.view(-1, self.k)
+            (view.index_add_ if add else view.index_copy_)(0, self.bad, rows)
+            return
+        view, index = indexed
+        view.index_put_(index, rows.reshape(-1, *view.shape[2:]), accumulate=add)
+
+    def statistics(self, mean: Tensor, rstd: Tensor, var: Tensor | None = None
+                   ) -> tuple[Tensor, ...]:
+        """Copies of a kernel's per-row ``mean`` and ``rstd`` (and biased ``var``), their
+        repaired rows replaced by the compensated statistics.
+
+        Example:
+            >>> x = torch.randn(3, 8)
+            >>> x[1] += 1e5
+            >>> y, mean, rstd = torch.native_layer_norm(x, (8,), None, None, 1e-5)
+            >>> repair = RowRepair.apply(y, x, 8, torch.tensor([1]), None, None, 1e-5)
+            >>> fixed, _ = repair.statistics(mean, rstd)
+            >>> bool((fixed.view(-1)[1].double() - x[1].double().mean()).abs() < 1e-2)
+            True
+        """
+        out = []
+        for t, rows in ((mean, self.mean_hi + self.mean_lo), (rstd, self.rstd),
+                        (var, self.var)):
+            if t is not None:
+                t = t.detach().clone()
+                t.view(-1).index_copy_(0, self.bad, rows.view(-1).to(t.dtype))
+                out.append(t)
+        return tuple(out)
 
     def _affine(self, t: Tensor | None) -> Tensor | None:
         """``t`` as the repaired rows see it: ``(k,)``, or per group ``(rows, k)`` in
@@ -298,8 +367,11 @@ class RowRepair:
             >>> repair.zeroed(dy).tolist(), dy.sum().item()
             ([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]], 6.0)
         """
-        out = empty_like(dy, None, torch.contiguous_format).copy_(dy)
-        out.view(-1, self.k).index_fill_(0, self.bad, 0)
+        out = empty_like(dy, None, self.layout).copy_(dy)
+        if self._indexed(out, write=True) is None:
+            out.view(-1, self.k).index_fill_(0, self.bad, 0)
+        else:
+            self._put(out, out.new_zeros(()).expand(self.bad.numel(), self.k))
         return out
 
     def backward(self, dy: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -322,7 +394,7 @@ class RowRepair:
         from ..norms._core import normalize_backward
 
         dx, dw, db = normalize_backward(
-            dy.reshape(-1, self.k).index_select(0, self.bad), self.rows, self._affine(weight),
+            self._take(dy), self.rows, self._affine(weight),
             self._affine(bias), self.mean_hi, self.mean_lo, self.rstd, (1,), True, mask)
         return (dx, None if dw is None else self._reduced(dw, weight),
                 None if db is None else self._reduced(db, bias))
@@ -352,8 +424,7 @@ class RowRepair:
         dx, dw, db = grads
         dx_bad, dw_bad, db_bad = self.backward(dy, weight, bias, mask)
         if dx is not None and dx_bad is not None:
-            rows = dx.view(-1, self.k)
-            (rows.index_add_ if add else rows.index_copy_)(0, self.bad, dx_bad.to(dx.dtype))
+            self._put(dx, dx_bad.to(dx.dtype), add)
         return dx, _plus(dw, dw_bad), _plus(db, db_bad)
 
 
@@ -1693,13 +1764,14 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
 
 
 def group_norm_with_stats(x: Tensor, num_groups: int, weight: Tensor | None,
-                          bias: Tensor | None, eps: float
+                          bias: Tensor | None, eps: float, bound: float | None = None
                           ) -> tuple[Tensor, Tensor, Tensor] | None:
-    """torch's fused GroupNorm of contiguous ``(N, C, *)`` input, group by group where
-    accurate: ``(y, mean, rstd)`` with ``(N, G)`` statistics (no autograd on them), else
-    ``None``.
+    """torch's fused GroupNorm of contiguous ``(N, C, *)`` input (or channels-last, for
+    which the caller gives the ``bound`` of that kernel), group by group where accurate:
+    ``(y, mean, rstd)`` with ``(N, G)`` statistics (no autograd on them), else ``None``.
 
-    The groups past the kernel's bound (:data:`THRESHOLDS`) are normalized again by the
+    The groups past the kernel's bound (``bound``, by default NCHW GroupNorm's in
+    :data:`THRESHOLDS`) are normalized again by the
     compensated core (:class:`RowRepair`, per-channel affine) and their statistics are
     the compensated ones; the other groups keep the kernel's result, so each sample gets
     the same bits alone or in any batch, as with torch's GroupNorm (see
@@ -1715,15 +1787,18 @@ def group_norm_with_stats(x: Tensor, num_groups: int, weight: Tensor | None,
         >>> bool((y - ref).abs().max() < 1e-5), mean.shape, round(float(mean[1, 0]))
         (True, torch.Size([3, 2]), 3000)
     """
-    if not _plain_dense(x) or not kernel_dtypes(x, weight, bias):
+    dense = _plain_dense(x) or (x.numel() > 0 and x.dtype in _FLOATS
+                                and channels_last_format(x) is not None)
+    if not dense or not kernel_dtypes(x, weight, bias):
         return None
+    bound = THRESHOLDS["group_norm"] if bound is None else bound
     weight, bias = kernel_params(x, x.shape[1:2], weight, bias)  # (16-bit x: float32 stats)
     y, mean, rstd = group_norm_kernel(x, weight, bias, num_groups, eps)
-    if well_conditioned(mean, rstd, THRESHOLDS["group_norm"]):
+    if well_conditioned(mean, rstd, bound):
         return y, mean, rstd
     # the groups past the bound by the compensated core, the others as the kernel left
     # them: each sample its own bits, as with torch's GroupNorm (see repair_rows)
-    bad = ill_conditioned_rows(mean, rstd, THRESHOLDS["group_norm"])
+    bad = ill_conditioned_rows(mean, rstd, bound)
     if bad.numel() == mean.numel():
         return None
     y = y.detach()
@@ -1745,9 +1820,7 @@ def group_norm_with_stats(x: Tensor, num_groups: int, weight: Tensor | None,
                                    affine_view(weight, view), affine_view(bias, view),
                                    eps)[0].flatten(1, 2)
 
-    mean, rstd = mean.detach().clone(), rstd.detach().clone()
-    mean.view(-1).index_copy_(0, bad, (repair.mean_hi + repair.mean_lo).view(-1).to(mean.dtype))
-    rstd.view(-1).index_copy_(0, bad, repair.rstd.view(-1).to(rstd.dtype))
+    mean, rstd = repair.statistics(mean, rstd)
     return kernel_node(x, weight, bias, y, backward, reference), mean, rstd
 
 
@@ -1883,6 +1956,56 @@ def reference_grads(reference, inputs: tuple, needs: tuple[bool, ...], dy: Tenso
     return [next(grads) if need else None for need in needs]
 
 
+def _column_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                          mean: Tensor, invstd: Tensor, eps: float, mask: Sequence[bool]
+                          ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The backward of the per-channel affine of a ``(N, C, L)`` tensor normalized per
+    position (statistics ``(N, 1, L)``): torch's BatchNorm backward kernel for each
+    sample (see :func:`layer_norm2d_nchw`)."""
+    need_x, need_w, need_b = mask
+    need_w, need_b = need_w and weight is not None, need_b and bias is not None
+    g = dy.contiguous()
+    dx = dw = db = None
+    if need_w or need_b:
+        # the per-channel sums over (n, l) of dy * xhat and of dy in one read of both:
+        # torch's NCHW BatchNorm backward kernel with zero mean and unit invstd,
+        # reductions only (instead of a product, its sum and a second sum)
+        xhat = (torch.addcmul(-mean * invstd, x, invstd, out=empty_like(x)) if need_w
+                else g)
+        unit = x.new_ones(x.shape[1])
+        _, dw, db = _ATEN.native_batch_norm_backward(
+            g, xhat, unit, None, None, torch.zeros_like(unit), unit, True, 0.0,
+            [False, need_w, need_b])
+    if need_x:
+        gx = (torch.mul(g, weight.view(1, -1, 1), out=empty_like(g)) if weight is not None
+              else g)
+        dx = empty_like(x)
+        # written in place through out=, which needs every output defined: a unit
+        # weight and two small scratch outputs for the column sums it also returns
+        unit = x.new_ones(x.shape[2])
+        scratch = (torch.empty_like(unit), torch.empty_like(unit))
+        for i in range(x.shape[0]):
+            _ATEN.native_batch_norm_backward.out(
+                gx[i], x[i], unit, None, None, mean[i, 0], invstd[i, 0], True, eps,
+                [True, True, True], out0=dx[i], out1=scratch[0], out2=scratch[1])
+    return dx, dw, db
+
+
+def rows_past(mean: Tensor, rstd: Tensor, threshold: float) -> Tensor | None:
+    """``None`` where every row (one ``mean``/``rstd`` each) is within ``threshold``
+    (:func:`well_conditioned`), else the rows past it (:func:`ill_conditioned_rows`).
+
+    Example:
+        >>> rows_past(torch.zeros(3), torch.ones(3), 4.0) is None
+        True
+        >>> rows_past(torch.tensor([0.0, 9.0, 0.0]), torch.ones(3), 4.0)
+        tensor([1])
+    """
+    if well_conditioned(mean, rstd, threshold):
+        return None
+    return ill_conditioned_rows(mean, rstd, threshold)
+
+
 class _ColumnNormFunction(torch.autograd.Function):
     """Per-channel affine of a normalized ``(N, C, L)`` tensor; backward by torch's
     BatchNorm backward kernel for each sample (see :func:`layer_norm2d_nchw`)."""
@@ -1901,36 +2024,31 @@ class _ColumnNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, bias, mean, invstd = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        needs = ctx.needs_input_grad[:3]
         if backward_by_reference(dy):  # create_graph=True, batched gradients
-            grads = reference_grads(ctx.reference, (x, weight, bias),
-                                    (need_x, need_w, need_b), dy)
-            return (*grads, None, None, None, None, None)
-        g = dy.contiguous()
-        dx = dw = db = None
-        if need_w or need_b:
-            # the per-channel sums over (n, l) of dy * xhat and of dy in one read of both:
-            # torch's NCHW BatchNorm backward kernel with zero mean and unit invstd,
-            # reductions only (instead of a product, its sum and a second sum)
-            xhat = (torch.addcmul(-mean * invstd, x, invstd, out=empty_like(x)) if need_w
-                    else g)
-            unit = x.new_ones(x.shape[1])
-            _, dw, db = _ATEN.native_batch_norm_backward(
-                g, xhat, unit, None, None, torch.zeros_like(unit), unit, True, 0.0,
-                [False, need_w, need_b])
-        if need_x:
-            gx = (torch.mul(g, weight.view(1, -1, 1), out=empty_like(g)) if weight is not None
-                  else g)
-            dx = empty_like(x)
-            # written in place through out=, which needs every output defined: a unit
-            # weight and two small scratch outputs for the column sums it also returns
-            unit = x.new_ones(x.shape[2])
-            scratch = (torch.empty_like(unit), torch.empty_like(unit))
-            for i in range(x.shape[0]):
-                _ATEN.native_batch_norm_backward.out(
-                    gx[i], x[i], unit, None, None, mean[i, 0], invstd[i, 0], True, ctx.eps,
-                    [True, True, True], out0=dx[i], out1=scratch[0], out2=scratch[1])
-        return dx, dw, db, None, None, None, None, None
+            grads = reference_grads(ctx.reference, (x, weight, bias), needs, dy)
+        else:
+            grads = _column_norm_backward(dy, x, weight, bias, mean, invstd, ctx.eps, needs)
+        return (*grads, None, None, None, None, None)
+
+
+def _position_node(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                   y: Tensor, bad: Tensor | None, backward, reference) -> Tensor:
+    """:func:`kernel_node` of a LayerNorm2d on NCHW ``x`` whose positions ``bad`` (in
+    ``(n, l)`` order, :func:`rows_past`; not every one) are normalized again by
+    normkit's compensated core (:class:`RowRepair`), the others kept as ``y`` has them:
+    each sample gets the same bits alone or in any batch, as with torch's LayerNorm over
+    the channels (the caller's path for input whose every position is past the bound
+    gives those positions the same bits)."""
+    if bad is None:
+        return kernel_node(x, weight, bias, y, backward, reference)
+    repair = RowRepair.apply(y, x, x.shape[1], bad, weight, bias, eps, positions=True)
+
+    def repaired(dy, x, weight, bias, mask):
+        grads = backward(repair.zeroed(dy), x, weight, bias, mask)
+        return repair.patch(grads, dy, weight, bias, mask)
+
+    return kernel_node(x, weight, bias, y, repaired, reference)
 
 
 def _layer_norm2d_nchw_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -1964,9 +2082,10 @@ def _layer_norm2d_nchw_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | No
     moments = [torch.batch_norm_update_stats(v[i], zero, one, 0.0) for i in range(n)]
     mean = torch.stack([m for m, _ in moments])  # (N, L)
     invstd = torch.stack([s for _, s in moments]).add_(eps).rsqrt_()
-    if not well_conditioned(mean, invstd, THRESHOLDS["batch_norm_channels_last"]):
-        return None
-    shift = mean.mul_(invstd).neg_()  # (-mean * invstd, per position)
+    bad = rows_past(mean, invstd, THRESHOLDS["batch_norm_channels_last"])
+    if bad is not None and bad.numel() == mean.numel():
+        return None  # (every position past the bound: the caller's path)
+    shift = mean.mul(invstd).neg_()  # (-mean * invstd, per position)
     with torch.no_grad():
         w, b = kernel_params(x, (c,), weight, bias)
         w, b = w.view(c, 1), (torch.zeros_like(w) if b is None else b).view(c, 1)
@@ -2006,7 +2125,8 @@ def _layer_norm2d_nchw_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | No
             x.float().movedim(1, -1), (c,), _float32(weight), _float32(bias),
             eps).movedim(-1, 1).to(x.dtype)
 
-    return kernel_node(x, weight, bias, y, backward, reference)
+    # (the positions past the bound renormalized, in float32 too)
+    return _position_node(x, weight, bias, eps, y, bad, backward, reference)
 
 
 def _layer_norm2d_channel_sums(x: Tensor, weight: Tensor | None, bias: Tensor | None,
@@ -2041,8 +2161,9 @@ def _layer_norm2d_channel_sums(x: Tensor, weight: Tensor | None, bias: Tensor | 
     mean = v.mean(1, keepdim=True)  # (N, 1, L)
     y = torch.sub(v, mean, out=empty_like(v))
     invstd = y.square_().sum(1, keepdim=True).div_(c).add_(eps).rsqrt_()
-    if not well_conditioned(mean, invstd, THRESHOLDS["layer_norm"]):
-        return None
+    bad = rows_past(mean, invstd, THRESHOLDS["layer_norm"])
+    if bad is not None and bad.numel() == mean.numel():
+        return None  # (every position past the bound: the caller's path)
     shift = torch.mul(mean, invstd).neg_()
     torch.addcmul(shift, v, invstd, out=y)  # the normalized input
     with torch.no_grad():
@@ -2075,7 +2196,9 @@ def _layer_norm2d_channel_sums(x: Tensor, weight: Tensor | None, bias: Tensor | 
             dx.addcmul_(v, k1, value=-1)
         return dx, dw, db
 
-    return kernel_node(x.view(n, c, -1), weight, bias, y, backward, reference).view(x.shape)
+    # (the positions past the bound renormalized)
+    return _position_node(x.view(n, c, -1), weight, bias, eps, y, bad, backward,
+                          reference).view(x.shape)
 
 
 def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
@@ -2134,8 +2257,22 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
         _ATEN.native_batch_norm.out(v[i], None, None, None, None, True, 0.0, eps,
                                     out=xhat[i], save_mean=mean[i, 0],
                                     save_invstd=invstd[i, 0])
-    if not well_conditioned(mean, invstd, THRESHOLDS["batch_norm_channels_last"]):
-        return None
-    y = _ColumnNormFunction.apply(x.view(n, c, -1), weight, bias, (xhat,), mean, invstd, eps,
-                                  reference)
-    return y.view(x.shape)
+    bad = rows_past(mean, invstd, THRESHOLDS["batch_norm_channels_last"])
+    if bad is None:
+        y = _ColumnNormFunction.apply(x.view(n, c, -1), weight, bias, (xhat,), mean, invstd,
+                                      eps, reference)
+        return y.view(x.shape)
+    if bad.numel() == mean.numel():
+        return None  # (every position past the bound: the caller's path)
+    with torch.no_grad():  # (the affine in place on the normalized input)
+        if weight is not None:
+            xhat.mul_(weight.view(1, -1, 1))
+        if bias is not None:
+            xhat.add_(bias.view(1, -1, 1))
+
+    def backward(dy, v, weight, bias, mask):
+        return _column_norm_backward(dy, v, weight, bias, mean, invstd, eps, mask)
+
+    # (the positions past the bound renormalized)
+    return _position_node(x.view(n, c, -1), weight, bias, eps, xhat, bad, backward,
+                          reference).view(x.shape)

@@ -1346,11 +1346,11 @@ def _group_norm_for_act(x, weight, bias, groups, eps, use_native, for_backward=T
     ``GROUP_NORM_MIN_POSITIONS`` positions takes torch's channels-last forward kernel
     itself, as :func:`normkit.functional.group_norm` does.
 
-    Where torch's NCHW kernel ran and some groups (not all) are past its bound, those
-    groups are normalized again by the compensated core (``repair``, a
-    :class:`~normkit.kernels.native.RowRepair`, else ``None``) and the others keep the
-    kernel's result: each sample its own bits, as :func:`normkit.functional.group_norm`
-    gives them, and one blank image no longer sends the batch to the compensated path."""
+    Where some groups (not all) are past the bound of the kernel or engine that ran,
+    those groups are normalized again by the compensated core (``repair``, a
+    :class:`~normkit.kernels.native.RowRepair`, else ``None``) and the others keep its
+    result: each sample its own bits, as :func:`normkit.functional.group_norm` gives
+    them, and one blank image no longer sends the batch to the compensated path."""
     n, c = x.shape[:2]
     layout = F._channels_last_format(x)
     fast = use_native and x.dtype in _WIDE and _same_dtype(x, weight, bias)
@@ -1359,10 +1359,13 @@ def _group_norm_for_act(x, weight, bias, groups, eps, use_native, for_backward=T
     path = "robust"
     if (fast and layout is not None
             and x.shape[2:].numel() >= channels.GROUP_NORM_MIN_POSITIONS):
-        stats = channels.moments(x, channels.Pool("group", groups), eps)
-        if stats is not None:
-            mean, _, rstd = stats
+        pool = channels.Pool("group", groups)
+        stats = channels.group_moments(x, pool, eps)
+        if stats is not None:  # (the groups past the engine's bound renormalized)
+            mean, _, rstd, bad = stats
             y, path = channels.affine(x, mean, rstd, weight, bias), "channels_last"
+            if bad is not None:
+                repair = channels.repair_groups(y, x, pool, bad, weight, bias, eps)
     elif fast or half:  # torch's kernels both ways, in x's layout; 16-bit at any size (its
         # float32 sums far under the output's rounding), channels-last 16-bit on an NCHW
         # copy (torch's channels-last 16-bit kernels are the slower, its backward ~25x)
@@ -1375,13 +1378,14 @@ def _group_norm_for_act(x, weight, bias, groups, eps, use_native, for_backward=T
                                                 w, b, n, c, x.numel() // (n * c), groups, eps)
         bound = channels.RATIO if kernel_layout else native.THRESHOLDS["group_norm"]
         if not native.well_conditioned(mean, rstd, bound):
-            bad = None if kernel_layout else native.ill_conditioned_rows(mean, rstd, bound)
-            if bad is None or bad.numel() == mean.numel():
+            bad = native.ill_conditioned_rows(mean, rstd, bound)
+            if bad.numel() == mean.numel():
                 y = mean = rstd = None
                 path = "robust"
-            else:  # (the groups past the bound only; y is the kernel's NCHW output)
-                repair = native.RowRepair.apply(y, x.contiguous(), x.numel() // mean.numel(),
-                                                bad, w, b, eps, groups=groups)
+            else:  # (the groups past the bound only, in the layout the kernel ran in)
+                repair = native.RowRepair.apply(y, x if kernel_layout else x.contiguous(),
+                                                x.numel() // mean.numel(), bad, w, b, eps,
+                                                groups=groups)
         if path == "native-nchw":
             y = y.contiguous(memory_format=layout)
     if y is None:  # compensated statistics (normkit's core), recomputed in backward
@@ -1547,8 +1551,12 @@ class _GroupNormActFunction(torch.autograd.Function):
                     grads = repair.patch(grads, dy, w, b, mask)
                 grads = _param_dtypes(grads, weight, bias)
             else:
-                grads = channels.backward(dy, x, mean, rstd, weight,
-                                          channels.Pool("group", groups), mask)
+                repair = ctx.repair
+                grads = channels.backward(dy if repair is None else repair.zeroed(dy), x,
+                                          mean, rstd, weight, channels.Pool("group", groups),
+                                          mask)
+                if repair is not None:
+                    grads = repair.patch(grads, dy, weight, bias, mask)
         return (*grads, None, None, None, None)
 
 
