@@ -38,7 +38,6 @@ CASES = {
     "GroupNorm 32x64x28x28": (
         (32, 64, 28, 28), lambda: nn.GroupNorm(16, 64), lambda: normkit.GroupNorm(16, 64),
         lambda x: torch.nn.functional.group_norm(x, 16)),
-    # (the layers that still fall back as a whole: README, "Batch invariance")
     "GroupNorm channels_last 32x64x28x28": (
         (32, 64, 28, 28), lambda: nn.GroupNorm(16, 64), lambda: normkit.GroupNorm(16, 64),
         lambda x: torch.nn.functional.group_norm(x, 16)),
@@ -46,10 +45,22 @@ CASES = {
         (32, 64, 28, 28), lambda: nn.InstanceNorm2d(64, affine=True),
         lambda: normkit.InstanceNorm2d(64, affine=True),
         lambda x: torch.nn.functional.instance_norm(x)),
+    "InstanceNorm2d channels_last 32x64x28x28": (
+        (32, 64, 28, 28), lambda: nn.InstanceNorm2d(64, affine=True),
+        lambda: normkit.InstanceNorm2d(64, affine=True),
+        lambda x: torch.nn.functional.instance_norm(x)),
     "GroupNormAct (SiLU) 32x64x28x28": (
         (32, 64, 28, 28), lambda: nn.Sequential(nn.GroupNorm(16, 64), nn.SiLU()),
         lambda: normkit.GroupNormAct(16, 64, act="silu"),
         lambda x: torch.nn.functional.silu(torch.nn.functional.group_norm(x, 16))),
+    "GroupNormAct (SiLU) channels_last 32x64x28x28": (
+        (32, 64, 28, 28), lambda: nn.Sequential(nn.GroupNorm(16, 64), nn.SiLU()),
+        lambda: normkit.GroupNormAct(16, 64, act="silu"),
+        lambda x: torch.nn.functional.silu(torch.nn.functional.group_norm(x, 16))),
+    "LayerNorm2d NCHW 32x64x28x28": (
+        (32, 64, 28, 28), lambda: _PermutedLayerNorm(64), lambda: normkit.LayerNorm2d(64),
+        lambda x: torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (64,))
+        .permute(0, 3, 1, 2)),
 }
 
 

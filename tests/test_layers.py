@@ -347,8 +347,11 @@ def test_shape_inference_without_data(name, without_data):
 #: the batch's path (``(module, name): value``; paths are chosen by size, and different
 #: paths round differently).
 _CL = torch.channels_last
-_ENGINE = {(channels, "MIN_ELEMENTS"): 0, (channels, "GROUP_NORM_MIN_POSITIONS"): 16}
-_LN2D_PER_SAMPLE = {(native, "LAYER_NORM2D_MIN_ELEMENTS"): 0,
+_SHARE = {(channels, "REPAIR_MAX_SHARE"): 1.0}  # (three samples of six: repaired, too)
+_ENGINE = {(channels, "MIN_ELEMENTS"): 0, (channels, "GROUP_NORM_MIN_POSITIONS"): 16,
+           **_SHARE}
+_LN2D_PER_SAMPLE = {(native, "LAYER_NORM2D_REPAIR_MAX_SHARE"): 1.0,
+                    (native, "LAYER_NORM2D_MIN_ELEMENTS"): 0,
                     (native, "LAYER_NORM2D_CHANNEL_SUMS"): ((0, 0), (0, 0)),
                     (native, "LAYER_NORM2D_CHANNEL_SUMS_INFERENCE"): ((0, 0), (0, 0)),
                     (native, "LAYER_NORM2D_MIN_POSITIONS"): (1, 1),
@@ -375,7 +378,7 @@ _ROW_LAYERS = {
     "GroupNorm NCHW": (lambda: normkit.GroupNorm(4, 16), (8, 16, 5, 5), None, False, {}),
     "GroupNorm NCHW, 3D": (lambda: normkit.GroupNorm(2, 8), (6, 8, 7), None, False, {}),
     "GroupNorm channels_last": (lambda: normkit.GroupNorm(4, 16), (8, 16, 5, 5), _CL, False,
-                                {}),
+                                _SHARE),
     "GroupNorm channels_last, engine": (lambda: normkit.GroupNorm(4, 16), (6, 16, 8, 8), _CL,
                                         False, _ENGINE),
     "GroupNormAct NCHW": (lambda: normkit.GroupNormAct(4, 16, act="relu"), (8, 16, 5, 5),
@@ -499,3 +502,40 @@ def test_layer_norm_of_single_values_has_a_zero_input_gradient(name):
     torch.testing.assert_close(y, module.bias.expand(y.shape), rtol=0, atol=0)
     y.backward(torch.randn(y.shape))
     assert float(x.grad.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("name", ["GroupNorm channels_last, engine",
+                                  "InstanceNorm2d channels_last, engine",
+                                  "LayerNorm2d NCHW, per sample"])
+def test_many_offset_samples_take_the_whole_batch_path(name, monkeypatch):
+    """The per-group repair pays off for a few groups only: where the whole call's own
+    fallback is cheap (torch's kernels on an NCHW or channels-innermost copy), more than
+    ``REPAIR_MAX_SHARE`` of the groups past the bound send the call there (measured
+    crossovers: channels.REPAIR_MAX_SHARE, native.LAYER_NORM2D_REPAIR_MAX_SHARE). Either
+    way the output and gradients are within tolerance of float64."""
+    make, _, memory_format, _, floors = _ROW_LAYERS[name]
+    for (where, attr), value in floors.items():
+        if "REPAIR_MAX_SHARE" not in attr:  # (the shares as shipped)
+            monkeypatch.setattr(where, attr, value)
+    repairs = []  # (of the strided rows: the fallback's own flat-row repairs not counted)
+    real = native.RowRepair.apply
+    monkeypatch.setattr(native.RowRepair, "apply", classmethod(
+        lambda cls, y, x, *args, **kwargs: repairs.append(
+            kwargs.get("positions") or not x.is_contiguous()) or real(y, x, *args, **kwargs)))
+    torch.manual_seed(0)
+    module = make()
+    for offset, repaired in ((1, True), (8, False)):  # (1 or 8 of 32 samples)
+        repairs.clear()
+        x64 = torch.randn(32, 16, 8, 8, dtype=torch.float64)
+        x64[:offset] = x64[:offset] * 0.01 + 3000.0
+        x = x64.float().contiguous(memory_format=memory_format or torch.contiguous_format)
+        x.requires_grad_()
+        y = module(x)
+        assert any(repairs) == repaired, f"{name}: {offset} offset samples"
+        ref64 = x.detach().double().requires_grad_()
+        ref = reference_forward(float64_twin(module), ref64)
+        assert_close(y, ref, torch.float32, f"{name} output")
+        dy = torch.randn(x.shape, dtype=torch.float64)
+        y.backward(dy.float())
+        ref.backward(dy)
+        assert_grad_close(x.grad, ref64.grad, torch.float32, f"{name} input grad")

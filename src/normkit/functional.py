@@ -787,7 +787,8 @@ def _group_norm_channels_last(x: Tensor, groups: int, weight: Tensor | None,
     else:
         kernel = not many and channels.wide(x, weight, bias)
     if kernel:  # (the groups past the bound renormalized, the others kept: native.RowRepair)
-        out = native.group_norm_with_stats(x, groups, weight, bias, eps, channels.RATIO)
+        out = native.group_norm_with_stats(x, groups, weight, bias, eps, channels.RATIO,
+                                           channels.REPAIR_MAX_SHARE)
         return None if out is None else out[0]
     if not many or not channels.supports(x, weight, bias):
         return None

@@ -70,13 +70,27 @@ from .native import (
     well_conditioned,
 )
 
-__all__ = ["RATIO", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "wide", "supports", "moments",
-           "group_moments", "repair_groups",
-           "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize", "normalize_by",
-           "serves_batch_norm", "rows_as_channels_last", "channels_last_as_rows"]
+__all__ = ["RATIO", "REPAIR_MAX_SHARE", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "wide",
+           "supports", "moments", "group_moments", "repair_groups", "repair_backward_args",
+           "repair_skip", "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize",
+           "normalize_by", "serves_batch_norm", "rows_as_channels_last", "channels_last_as_rows"]
 
 #: Largest pooled ``|mean| / std`` for which ``E[x^2] - E[x]^2`` from float32 sums is kept.
 RATIO = 2.0
+#: Largest share of a call's groups that InstanceNorm and GroupNorm renormalize one by one
+#: when they are past :data:`RATIO` (:func:`group_moments`); past it the caller's path for
+#: the whole call serves (an NCHW copy through torch's kernels, or the compensated core),
+#: which then costs less than the repair's gathers, compensated passes and scatters. Torch
+#: time / normkit time, 32x64x28x28 channels-last, one thread, k of 32 samples at 3 std
+#: off zero (every group of theirs past the bound), three alternated runs of the whole
+#: fallback (``5ecc139``) and the repair, fwd / fwd+bwd: GroupNorm k=2 0.54-0.57 ->
+#: 1.00-1.15 / 0.97-1.06 -> 0.72-1.08, k=4 0.28-0.64 -> 0.88-0.95 / 0.74-1.08 -> 0.83-0.98,
+#: k=8 0.56-0.58 -> 0.68-0.79 / 1.02-1.07 -> 0.51-0.55; InstanceNorm k=4 1.54-1.69 ->
+#: 1.44-2.36 / 0.39-0.41 -> 0.72-0.83, k=8 1.56-1.60 -> 1.17-1.47 / 0.41-0.44 -> 0.58-0.69;
+#: GroupNormAct k=8 0.59-0.63 -> 0.72-0.84 / 0.46-0.64 -> 0.67-0.87; at k=16 all three
+#: lose (GroupNorm fwd+bwd 0.73-1.06 -> 0.26-0.35). So 1/8: GroupNorm's fallback is the
+#: cheap one.
+REPAIR_MAX_SHARE = 1 / 8
 #: Fewest positions per slice, and fewest elements, for which the engine pays off. It
 #: runs ~40 small ATen calls per forward and backward (~0.1 ms on one CPU thread), so
 #: below ~2^18 elements torch's kernels, even with normkit's accuracy check, are faster
@@ -532,8 +546,9 @@ def group_moments(x: Tensor, pool: Pool, eps: float
     """:func:`moments` that keeps the groups under the bound: ``(mean, var, rstd, bad)``
     with ``bad`` the indices ``n * G + g`` of the ``(sample, group)`` groups past
     :data:`RATIO` (``G`` is ``C`` for InstanceNorm), for :func:`repair_groups`, or
-    ``None`` where every group is under it. ``None`` as a whole where every group is past
-    it, and for BatchNorm (whose groups pool every sample) past it.
+    ``None`` where every group is under it. ``None`` as a whole where more than
+    :data:`REPAIR_MAX_SHARE` of the groups are past it, and for BatchNorm (whose groups
+    pool every sample) past it.
 
     Example:
         >>> x = torch.randn(3, 4, 8, 8)
@@ -552,7 +567,7 @@ def group_moments(x: Tensor, pool: Pool, eps: float
     first = (slice(None), slice(None), 0)  # (one slice per group: its stats are the group's)
     bad = ill_conditioned_rows(mean.view(n, groups, -1)[first], rstd.view(n, groups, -1)[first],
                                RATIO)
-    if bad.numel() == n * groups:
+    if bad.numel() > REPAIR_MAX_SHARE * n * groups:
         return None
     return mean, var, rstd, bad
 
@@ -578,6 +593,25 @@ def repair_groups(y: Tensor, x: Tensor, pool: Pool, bad: Tensor, weight: Tensor 
     groups = c if pool.kind == "instance" else pool.groups
     return RowRepair.apply(y, x, x.numel() // (n * groups), bad, weight, bias, eps,
                            groups=groups)
+
+
+def _skips(x: Tensor, pool: Pool) -> bool:
+    """Whether :func:`backward` of ``x`` takes ``skip`` (its per-sample sums path)."""
+    return pool.kind != "batch" and not (x.is_contiguous() and pool.kind != "group")
+
+
+def repair_backward_args(repair: RowRepair, dy: Tensor, x: Tensor, pool: Pool
+                         ) -> tuple[Tensor, Tensor]:
+    """``(dy, x)`` for :func:`backward` under a :func:`repair_groups` repair: ``dy`` as it
+    is where the backward can ``skip`` the repaired groups (:func:`repair_skip`), else a
+    copy with them zeroed."""
+    return (dy if _skips(x, pool) else repair.zeroed(dy)), x
+
+
+def repair_skip(repair: RowRepair, x: Tensor, pool: Pool) -> dict:
+    """:func:`backward`'s ``skip`` keyword for a :func:`repair_groups` repair (empty where
+    it takes none: :func:`repair_backward_args` zeroes ``dy`` there)."""
+    return {"skip": repair.bad} if _skips(x, pool) else {}
 
 
 def _per_group(stats: tuple[Tensor, ...], pool: Pool) -> tuple[Tensor, ...]:
@@ -705,9 +739,14 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
 
 
 def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor | None,
-             pool: Pool, mask: tuple[bool, bool, bool]
+             pool: Pool, mask: tuple[bool, bool, bool], skip: Tensor | None = None
              ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     r"""``(dx, dweight, dbias)`` of :func:`affine` over statistics pooled by ``pool``.
+
+    ``skip``: groups (``n * G + g``, :func:`group_moments`' ``bad``; InstanceNorm and
+    GroupNorm only) that add nothing to the parameter gradients and whose ``dx`` is left
+    for the caller to overwrite -- the groups :func:`repair_groups` renormalized, whose
+    gradients its ``patch`` gives (no zeroed copy of ``dy`` needed).
 
     With per-slice ``S1 = sum dy`` and ``Sx = sum dy (x - mean)``: ``dbias = sum_n S1``,
     ``dweight = sum_n rstd Sx``, and ``dx = rstd gamma dy - rstd A - rstd^2 B (x - mean)``
@@ -727,6 +766,10 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
         True
     """
     n, c = x.shape[:2]
+    if skip is not None and not _skips(x, pool):
+        raise ValueError("skip serves the per-sample sums of GroupNorm and of channels-last "
+                         f"InstanceNorm, got {pool.kind} pooling of "
+                         f"{'contiguous' if x.is_contiguous() else 'channels-last'} input")
     if x.is_contiguous() and pool.kind != "group":
         return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
     if pool.kind == "batch" and pool.count(x) <= CHANNELS_LAST_BACKWARD_MAX_COUNT:
@@ -736,6 +779,12 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
         # native.CHANNELS_LAST_BACKWARD_MAX_COUNT)
         return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
     s1, sx = _backward_sums(dy, x, mean, pool)
+    if skip is not None:
+        groups = c if pool.kind == "instance" else pool.groups
+        skipped = torch.zeros(n * groups, dtype=torch.bool, device=x.device)
+        skipped[skip] = True
+        skipped = skipped.view(n, groups, 1).expand(n, groups, c // groups).reshape(n, c)
+        s1, sx = s1.masked_fill(skipped, 0), sx.masked_fill(skipped, 0)
     dx = dw = db = None
     if mask[1]:
         dw = (rstd * sx).sum(0)
@@ -861,7 +910,8 @@ def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, pool: Pool,
     repair = repair_groups(y, x, pool, bad, weight, bias, eps)
 
     def grads(dy, x, weight, bias, mask):
-        kernel = backward(repair.zeroed(dy), x, mean, rstd, weight, pool, tuple(mask))
+        kernel = backward(*repair_backward_args(repair, dy, x, pool), mean, rstd, weight,
+                          pool, tuple(mask), **repair_skip(repair, x, pool))
         return repair.patch(kernel, dy, weight, bias, mask)
 
     y = kernel_node(x, weight, bias, y, grads, reference)

@@ -250,6 +250,8 @@ class RowRepair:
         self.mean_hi, self.mean_lo, self.rstd = mean_hi, mean_lo, rstd
         self.var: Tensor | None = None
         self.layout, self.positions = layout, positions
+        self._by_sample: tuple[Tensor, Tensor] | None = None
+        self._length = 0  # (positions per sample, for ``positions``)
 
     @classmethod
     def apply(cls, y: Tensor, x: Tensor, k: int, bad: Tensor, weight: Tensor | None,
@@ -270,6 +272,7 @@ class RowRepair:
         layout = torch.contiguous_format if groups is None else (
             channels_last_format(x) or torch.contiguous_format)
         repair = cls(bad, k, None, None, None, None, groups, layout, positions)
+        repair._length = x[0, 0].numel() if positions and x.numel() else 0
         repair.rows = rows = repair._take(x.detach())
         with torch.no_grad():
             y_bad, repair.mean_hi, repair.mean_lo, repair.var, repair.rstd = normalize_forward(
@@ -277,40 +280,53 @@ class RowRepair:
             repair._put(y, y_bad.to(y.dtype))
         return repair
 
-    def _indexed(self, t: Tensor, write: bool = False
-                 ) -> tuple[Tensor, tuple[Tensor, Tensor]] | None:
-        """``(view, index)``: ``t`` seen so that ``view[index]`` are the repaired rows
-        (channels-last groups, channels-first positions; a view of ``t`` to ``write``
-        through, which raises rather than copies), or ``None`` where they are rows of
-        ``t``'s ``(M, k)`` view."""
+    def _flat(self, t: Tensor) -> bool:
+        """Whether the repaired rows of ``t`` are rows of its ``(M, k)`` view; else they
+        are channels-last groups or channels-first positions (:meth:`_samples`)."""
+        return not self.positions and (self.groups is None or t.is_contiguous())
+
+    def _samples(self) -> tuple[Tensor, Tensor]:
+        """``(samples, local)``: the samples holding repaired rows, and each repaired
+        row's index among the rows of those samples laid out by :meth:`_sample_rows`.
+        Strided rows are read and written a whole sample at a time -- one copy of those
+        samples into a layout whose ``(M, k)`` rows they are, and back: advanced indexing
+        of the strided rows themselves was 4x slower."""
+        if self._by_sample is None:
+            inner = self.groups if not self.positions else self._length
+            samples, inverse = torch.unique(self.bad // inner, return_inverse=True)
+            self._by_sample = samples, inverse * inner + self.bad % inner
+        return self._by_sample
+
+    def _sample_rows(self, sub: Tensor) -> Tensor:
+        """A fresh contiguous copy of samples ``sub`` whose ``(M, k)`` view has their rows:
+        NCHW for groups, ``(S, L, C)`` for positions."""
         if self.positions:
-            shape = (t.shape[0], t.shape[1], -1)
-            view = (t.view(shape) if write else t.reshape(shape)).transpose(1, 2)  # (N, L, C)
-        elif self.groups is not None and not t.is_contiguous():
-            view = t.unflatten(1, (self.groups, t.shape[1] // self.groups))
-        else:
-            return None
-        inner = view.shape[1]
-        return view, (self.bad // inner, self.bad % inner)
+            return sub.reshape(sub.shape[0], sub.shape[1], -1).transpose(1, 2).contiguous()
+        return sub.contiguous()
 
     def _take(self, t: Tensor) -> Tensor:
         """The repaired rows of ``t``, as a ``(rows, k)`` tensor of their own."""
-        indexed = self._indexed(t)
-        if indexed is None:
+        if self._flat(t):
             return t.reshape(-1, self.k).index_select(0, self.bad)
-        view, index = indexed
-        return view[index].reshape(-1, self.k)
+        samples, local = self._samples()
+        return self._sample_rows(t.index_select(0, samples)).view(-1, self.k).index_select(
+            0, local)
 
     def _put(self, t: Tensor, rows: Tensor, add: bool = False) -> None:
-        """Write (``add``: add) ``(rows, k)`` ``rows`` into the repaired rows of ``t``
-        (in place: ``t`` must hold them in its own memory)."""
-        indexed = self._indexed(t, write=True)
-        if indexed is None:
+        """Write (``add``: add) ``(rows, k)`` ``rows`` into the repaired rows of ``t``, in
+        place."""
+        if self._flat(t):
             view = t.view(-1, self.k)
             (view.index_add_ if add else view.index_copy_)(0, self.bad, rows)
             return
-        view, index = indexed
-        view.index_put_(index, rows.reshape(-1, *view.shape[2:]), accumulate=add)
+        samples, local = self._samples()
+        sub = t.index_select(0, samples)
+        laid = self._sample_rows(sub)
+        view = laid.view(-1, self.k)
+        (view.index_add_ if add else view.index_copy_)(0, local, rows)
+        if self.positions:  # (back to the samples' own (S, C, *) shape)
+            laid = laid.transpose(1, 2).reshape(sub.shape)
+        t.index_copy_(0, samples, laid)
 
     def statistics(self, mean: Tensor, rstd: Tensor, var: Tensor | None = None
                    ) -> tuple[Tensor, ...]:
@@ -368,7 +384,7 @@ class RowRepair:
             ([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]], 6.0)
         """
         out = empty_like(dy, None, self.layout).copy_(dy)
-        if self._indexed(out, write=True) is None:
+        if self._flat(out):
             out.view(-1, self.k).index_fill_(0, self.bad, 0)
         else:
             self._put(out, out.new_zeros(()).expand(self.bad.numel(), self.k))
@@ -1764,11 +1780,13 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor |
 
 
 def group_norm_with_stats(x: Tensor, num_groups: int, weight: Tensor | None,
-                          bias: Tensor | None, eps: float, bound: float | None = None
-                          ) -> tuple[Tensor, Tensor, Tensor] | None:
+                          bias: Tensor | None, eps: float, bound: float | None = None,
+                          max_share: float = 1.0) -> tuple[Tensor, Tensor, Tensor] | None:
     """torch's fused GroupNorm of contiguous ``(N, C, *)`` input (or channels-last, for
     which the caller gives the ``bound`` of that kernel), group by group where accurate:
-    ``(y, mean, rstd)`` with ``(N, G)`` statistics (no autograd on them), else ``None``.
+    ``(y, mean, rstd)`` with ``(N, G)`` statistics (no autograd on them), else ``None``
+    (also where more than ``max_share`` of the groups are past the bound: a caller whose
+    own path for the whole call is cheap, see ``channels.REPAIR_MAX_SHARE``).
 
     The groups past the kernel's bound (``bound``, by default NCHW GroupNorm's in
     :data:`THRESHOLDS`) are normalized again by the
@@ -1799,7 +1817,7 @@ def group_norm_with_stats(x: Tensor, num_groups: int, weight: Tensor | None,
     # the groups past the bound by the compensated core, the others as the kernel left
     # them: each sample its own bits, as with torch's GroupNorm (see repair_rows)
     bad = ill_conditioned_rows(mean, rstd, bound)
-    if bad.numel() == mean.numel():
+    if bad.numel() == mean.numel() or bad.numel() > max_share * mean.numel():
         return None
     y = y.detach()
     _, _, _, kernel_backward, _ = group_norm_kernel_parts(x, weight, bias, num_groups, eps,
@@ -1826,6 +1844,15 @@ def group_norm_with_stats(x: Tensor, num_groups: int, weight: Tensor | None,
 
 # ------------------------------------------------------------------ LayerNorm2d on NCHW
 
+#: Largest share of the positions that :func:`layer_norm2d_nchw` renormalizes one by one
+#: when they are past its bound (:class:`RowRepair`); past it ``None``: torch's LayerNorm
+#: on a channels-innermost copy (its row repair on flat rows costs less). Torch time /
+#: normkit time, 32x64x28x28, one thread, k of 32 samples at 10 std off zero over the
+#: channels, two alternated runs of the whole fallback (``5ecc139``) and the repair, fwd /
+#: fwd+bwd: k=1 0.12-0.44 -> 0.93-0.96 / 1.07-1.11 -> 0.85-1.10, k=2 0.42-0.43 ->
+#: 0.88-0.89 / 0.70-0.71 -> 0.73-0.87, k=4 0.40-0.43 -> 0.75 / 0.86-0.88 -> 0.63, k=8
+#: 0.39-0.41 -> 0.57-0.58 / 0.71-0.72 -> 0.52-0.67. So 1/16.
+LAYER_NORM2D_REPAIR_MAX_SHARE = 1 / 16
 #: Fewest elements for which :func:`layer_norm2d_nchw` pays off (it loops over the batch).
 LAYER_NORM2D_MIN_ELEMENTS = 1 << 16
 #: Fewest positions per sample (``H * W``) for which it pays off when a gradient is
@@ -2083,8 +2110,8 @@ def _layer_norm2d_nchw_16bit(x: Tensor, weight: Tensor | None, bias: Tensor | No
     mean = torch.stack([m for m, _ in moments])  # (N, L)
     invstd = torch.stack([s for _, s in moments]).add_(eps).rsqrt_()
     bad = rows_past(mean, invstd, THRESHOLDS["batch_norm_channels_last"])
-    if bad is not None and bad.numel() == mean.numel():
-        return None  # (every position past the bound: the caller's path)
+    if bad is not None and bad.numel() > LAYER_NORM2D_REPAIR_MAX_SHARE * mean.numel():
+        return None  # (many positions past the bound: the caller's path)
     shift = mean.mul(invstd).neg_()  # (-mean * invstd, per position)
     with torch.no_grad():
         w, b = kernel_params(x, (c,), weight, bias)
@@ -2162,8 +2189,8 @@ def _layer_norm2d_channel_sums(x: Tensor, weight: Tensor | None, bias: Tensor | 
     y = torch.sub(v, mean, out=empty_like(v))
     invstd = y.square_().sum(1, keepdim=True).div_(c).add_(eps).rsqrt_()
     bad = rows_past(mean, invstd, THRESHOLDS["layer_norm"])
-    if bad is not None and bad.numel() == mean.numel():
-        return None  # (every position past the bound: the caller's path)
+    if bad is not None and bad.numel() > LAYER_NORM2D_REPAIR_MAX_SHARE * mean.numel():
+        return None  # (many positions past the bound: the caller's path)
     shift = torch.mul(mean, invstd).neg_()
     torch.addcmul(shift, v, invstd, out=y)  # the normalized input
     with torch.no_grad():
@@ -2262,8 +2289,8 @@ def layer_norm2d_nchw(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps
         y = _ColumnNormFunction.apply(x.view(n, c, -1), weight, bias, (xhat,), mean, invstd,
                                       eps, reference)
         return y.view(x.shape)
-    if bad.numel() == mean.numel():
-        return None  # (every position past the bound: the caller's path)
+    if bad.numel() > LAYER_NORM2D_REPAIR_MAX_SHARE * mean.numel():
+        return None  # (many positions past the bound: the caller's path)
     with torch.no_grad():  # (the affine in place on the normalized input)
         if weight is not None:
             xhat.mul_(weight.view(1, -1, 1))

@@ -1551,11 +1551,13 @@ class _GroupNormActFunction(torch.autograd.Function):
                     grads = repair.patch(grads, dy, w, b, mask)
                 grads = _param_dtypes(grads, weight, bias)
             else:
-                repair = ctx.repair
-                grads = channels.backward(dy if repair is None else repair.zeroed(dy), x,
-                                          mean, rstd, weight, channels.Pool("group", groups),
-                                          mask)
-                if repair is not None:
+                repair, pool = ctx.repair, channels.Pool("group", groups)
+                if repair is None:
+                    grads = channels.backward(dy, x, mean, rstd, weight, pool, mask)
+                else:  # (the repaired groups skipped, their gradients patched in)
+                    grads = channels.backward(
+                        *channels.repair_backward_args(repair, dy, x, pool), mean, rstd,
+                        weight, pool, mask, **channels.repair_skip(repair, x, pool))
                     grads = repair.patch(grads, dy, weight, bias, mask)
         return (*grads, None, None, None, None)
 
