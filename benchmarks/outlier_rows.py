@@ -1,14 +1,15 @@
 """Normalization of a batch with one outlier: normkit against torch, clean and mixed.
 
-normkit keeps torch's LayerNorm and GroupNorm kernels where their statistics are accurate
-and normalizes the rows (groups) past that bound with its compensated core. One row far
-off its spread -- an outlier token, a constant padding row, a blank image's constant
-maps after a convolution -- used to send the whole batch through the compensated path;
-now only that row takes it. This script times each layer's module on a clean batch and
-on the same batch with one row (sample) offset by 3000 at a spread of 0.01, forward (no
-grad) and forward+backward, torch's and normkit's in the same process (median of
-round-robin rounds), checks normkit's output against float64, and prints a Markdown
-table: ms and torch time / normkit time (> 1: normkit faster)::
+normkit keeps its fast paths (torch's kernels, the slice-sums engine) where their
+statistics are accurate and normalizes the rows (groups, positions) past that bound with
+its compensated core. One row far off its spread -- an outlier token, a constant padding
+row, a blank image's constant maps after a convolution -- used to send the whole batch
+through a slower path; now only that row takes it, in LayerNorm, AddLayerNorm,
+LayerNorm2d, GroupNorm, GroupNormAct and InstanceNorm. This script times each layer's
+module on a clean batch and on the same batch with one row (sample) offset by 3000 at a
+spread of 0.01, forward (no grad) and forward+backward, torch's and normkit's in the
+same process (median of round-robin rounds), checks normkit's output against float64,
+and prints a Markdown table: ms and torch time / normkit time (> 1: normkit faster)::
 
     PYTHONPATH=src python benchmarks/outlier_rows.py --threads 1
 
