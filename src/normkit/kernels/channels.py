@@ -50,7 +50,7 @@ BatchNorm at 131072 values per channel, which this engine replaces there (6e-7 t
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -71,8 +71,8 @@ from .native import (
 )
 
 __all__ = ["RATIO", "REPAIR_MAX_SHARE", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "wide",
-           "supports", "moments", "group_moments", "repair_groups", "repair_backward_args",
-           "repair_skip", "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize",
+           "supports", "moments", "group_moments", "repair_groups", "repaired_backward",
+           "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize",
            "normalize_by", "serves_batch_norm", "rows_as_channels_last", "channels_last_as_rows"]
 
 #: Largest pooled ``|mean| / std`` for which ``E[x^2] - E[x]^2`` from float32 sums is kept.
@@ -600,18 +600,36 @@ def _skips(x: Tensor, pool: Pool) -> bool:
     return pool.kind != "batch" and not (x.is_contiguous() and pool.kind != "group")
 
 
-def repair_backward_args(repair: RowRepair, dy: Tensor, x: Tensor, pool: Pool
-                         ) -> tuple[Tensor, Tensor]:
-    """``(dy, x)`` for :func:`backward` under a :func:`repair_groups` repair: ``dy`` as it
-    is where the backward can ``skip`` the repaired groups (:func:`repair_skip`), else a
-    copy with them zeroed."""
-    return (dy if _skips(x, pool) else repair.zeroed(dy)), x
+def repaired_backward(repair: RowRepair, dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
+                      weight: Tensor | None, bias: Tensor | None, pool: Pool,
+                      mask: Sequence[bool]) -> tuple[Tensor | None, Tensor | None,
+                                                     Tensor | None]:
+    """:func:`backward` of an output whose groups :func:`repair_groups` renormalized: the
+    engine's gradients with those groups skipped (or, where its backward takes no
+    ``skip``, from a copy of ``dy`` with them zeroed), then theirs from their own
+    compensated statistics (``repair.patch``).
 
-
-def repair_skip(repair: RowRepair, x: Tensor, pool: Pool) -> dict:
-    """:func:`backward`'s ``skip`` keyword for a :func:`repair_groups` repair (empty where
-    it takes none: :func:`repair_backward_args` zeroes ``dy`` there)."""
-    return {"skip": repair.bad} if _skips(x, pool) else {}
+    Example:
+        >>> x = torch.randn(3, 4, 8, 8).contiguous(memory_format=torch.channels_last)
+        >>> x[1, 2] = x[1, 2] * 0.01 + 100.0
+        >>> pool = Pool("instance")
+        >>> mean, var, rstd, bad = group_moments(x, pool, 1e-5)
+        >>> y = affine(x, mean, rstd, None, None)
+        >>> repair = repair_groups(y, x, pool, bad, None, None, 1e-5)
+        >>> dy = torch.randn(x.shape).contiguous(memory_format=torch.channels_last)
+        >>> dx, _, _ = repaired_backward(repair, dy, x, mean, rstd, None, None, pool,
+        ...                              (True, False, False))
+        >>> leaf = x.double().requires_grad_()
+        >>> torch.nn.functional.instance_norm(leaf).backward(dy.double())
+        >>> bool((dx - leaf.grad).abs().max() < 1e-3)
+        True
+    """
+    mask = tuple(mask)
+    if _skips(x, pool):
+        grads = backward(dy, x, mean, rstd, weight, pool, mask, skip=repair.bad)
+    else:
+        grads = backward(repair.zeroed(dy), x, mean, rstd, weight, pool, mask)
+    return repair.patch(grads, dy, weight, bias, mask)
 
 
 def _per_group(stats: tuple[Tensor, ...], pool: Pool) -> tuple[Tensor, ...]:
@@ -910,9 +928,7 @@ def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, pool: Pool,
     repair = repair_groups(y, x, pool, bad, weight, bias, eps)
 
     def grads(dy, x, weight, bias, mask):
-        kernel = backward(*repair_backward_args(repair, dy, x, pool), mean, rstd, weight,
-                          pool, tuple(mask), **repair_skip(repair, x, pool))
-        return repair.patch(kernel, dy, weight, bias, mask)
+        return repaired_backward(repair, dy, x, mean, rstd, weight, bias, pool, mask)
 
     y = kernel_node(x, weight, bias, y, grads, reference)
     group_stats = repair.statistics(*_per_group((mean, rstd, var), pool))

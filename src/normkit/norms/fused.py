@@ -1554,11 +1554,9 @@ class _GroupNormActFunction(torch.autograd.Function):
                 repair, pool = ctx.repair, channels.Pool("group", groups)
                 if repair is None:
                     grads = channels.backward(dy, x, mean, rstd, weight, pool, mask)
-                else:  # (the repaired groups skipped, their gradients patched in)
-                    grads = channels.backward(
-                        *channels.repair_backward_args(repair, dy, x, pool), mean, rstd,
-                        weight, pool, mask, **channels.repair_skip(repair, x, pool))
-                    grads = repair.patch(grads, dy, weight, bias, mask)
+                else:  # (the repaired groups' gradients from their own statistics)
+                    grads = channels.repaired_backward(repair, dy, x, mean, rstd, weight,
+                                                       bias, pool, mask)
         return (*grads, None, None, None, None)
 
 
