@@ -891,21 +891,23 @@ def test_small_channels_last_instance_norm(offset):
 
 
 def _composite_calls(monkeypatch) -> list:
-    """Record every call of torch's RMSNorm composite (normkit's small-input path)."""
-    calls, original = [], TF.rms_norm
+    """Record every call of the RMSNorm composite (normkit's small-input path)."""
+    calls, original = [], F.rms_rows
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(TF, "rms_norm", spy)
+    monkeypatch.setattr(F, "rms_rows", spy)
     return calls
 
 
 @pytest.mark.parametrize("grad", [True, False])
-def test_small_rows_take_torchs_composite_below_the_rule(grad, monkeypatch):
+def test_small_rows_take_the_composite_below_the_rule(grad, monkeypatch):
     """Below SMALL_ROWS_COMPOSITE_BELOW (with / without a gradient) RMSNorm and add+RMSNorm
-    run torch's composite, at and above it normkit's fused node; both match float64."""
+    run a composite of ATen ops, at and above it normkit's fused node; both match float64,
+    and a row gets the same bits from either (a sample alone as in a large batch: torch's
+    own composite, used here before, rounded differently)."""
     from oracle import assert_close, assert_grad_close, normalize64
 
     from normkit.norms.fused import add_rms_norm
@@ -925,6 +927,9 @@ def test_small_rows_take_torchs_composite_below_the_rule(grad, monkeypatch):
         for out, src in ((y, x), (normed, s)):
             assert_close(out, normalize64(src.detach(), (1,), w.detach(), eps=1e-6,
                                           center=False), torch.float32)
+        with torch.no_grad():  # (the first rows alone: the other path, the same bits)
+            assert torch.equal(F.rms_norm(x[:3], 64, w, 1e-6), y[:3])
+            assert torch.equal(add_rms_norm(x[:3], r[:3], 64, w, 1e-6)[0], normed[:3])
         if grad:  # the input and weight gradients of either path against float64
             x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
             normalize64(x64, (1,), w64, eps=1e-6, center=False).sum().backward()

@@ -713,7 +713,7 @@ def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual
         s = x if residual is None else x + residual
         if center:
             return F.layer_norm(s, shape, weight, bias, eps, backend=backend), s
-        return TF.rms_norm(s, shape, weight, eps), s
+        return F.rms_rows(s, shape, weight, eps), s  # (the fused kernel's arithmetic)
     out = _add_norm_apply(x, residual, weight, bias, shape, eps, center, res_dtype,
                           backend == "auto")
     return (out, x) if isinstance(out, Tensor) else out
