@@ -49,10 +49,13 @@ __all__ = [
 
 
 #: Below these element counts (with a gradient to compute, without) RMSNorm and the
-#: residual-add norms of :mod:`normkit.norms.fused` run as torch's own composite of a few
-#: ATen ops (``torch.nn.functional.rms_norm``; ``x + residual`` then :func:`layer_norm`)
-#: instead of normkit's fused node: its fixed cost (Python and one autograd node) is
-#: larger than the whole op there. RMSNorm, float32, fused node against torch's composite
+#: residual-add norms of :mod:`normkit.norms.fused` run as a composite of a few ATen ops
+#: under torch's autograd (:func:`rms_rows`, the fused rows' arithmetic, so the same
+#: bits; ``x + residual`` then :func:`layer_norm`) instead of normkit's fused node: its
+#: fixed cost (Python and one autograd node) is larger than the whole op there. (The
+#: measurements below were of torch's own composite, ``torch.nn.functional.rms_norm``,
+#: which :func:`rms_rows` replaced: RESULTS.md, "RMSNorm rows: the same bits at any
+#: size".) RMSNorm, float32, fused node against torch's composite
 #: (``benchmarks/small_rows.py``, 1 and 2 threads, two runs): forward+backward 0.56-0.72x
 #: up to 16384 elements, 0.85-0.98x at 32768, 1.01-1.13x at 65536, 1.2-1.6x at 131072;
 #: forward without a gradient 0.4-0.85x up to 131072, 0.78-1.14x at 262144, 0.97-1.36x at
