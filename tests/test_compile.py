@@ -15,6 +15,7 @@ from cases import IMAGE_LAYERS
 from compile_recorder import recording_backend
 
 import normkit
+from normkit.kernels import channels
 
 
 def _model():
@@ -120,15 +121,23 @@ def test_layer_norm_operators_pass_opcheck_and_gradcheck(offset):
         lambda a, c, d: torch.ops.normkit.layer_norm(a, [8], c, d, 1e-5)[0], leaves)
 
 
-#: name -> (module factory(weight, bias), input shape, the operator and its extra argument)
+#: case -> (operator, module factory, input shape, the operator's extra argument, memory
+#: format, size floors to lower so that the case's path serves these small inputs)
 _REPAIRED = {
-    "layer_norm": (lambda: normkit.LayerNorm(8), (6, 8), [8]),
-    "group_norm": (lambda: normkit.GroupNorm(2, 8), (6, 8, 3, 3), 2),
+    "layer_norm": ("layer_norm", lambda: normkit.LayerNorm(8), (6, 8), [8], None, {}),
+    "group_norm": ("group_norm", lambda: normkit.GroupNorm(2, 8), (6, 8, 3, 3), 2, None, {}),
+    "group_norm channels_last": ("group_norm", lambda: normkit.GroupNorm(2, 8), (6, 8, 3, 3),
+                                 2, torch.channels_last,
+                                 {(channels, "REPAIR_MAX_SHARE"): 1.0}),
+    "group_norm channels_last, engine": (
+        "group_norm", lambda: normkit.GroupNorm(2, 8), (6, 8, 4, 4), 2, torch.channels_last,
+        {(channels, "REPAIR_MAX_SHARE"): 1.0, (channels, "MIN_ELEMENTS"): 0,
+         (channels, "GROUP_NORM_MIN_POSITIONS"): 16}),
 }
 
 
-@pytest.mark.parametrize("name", list(_REPAIRED))
-def test_compiled_norm_repairs_only_the_offset_rows(name):
+@pytest.mark.parametrize("case", list(_REPAIRED))
+def test_compiled_norm_repairs_only_the_offset_rows(case, monkeypatch):
     """Under torch.compile LayerNorm and NCHW GroupNorm are normkit's operators, which
     sent the whole batch to the compensated path when one row (group) was past the
     kernel's bound. Like eager mode (``test_layers.py::
@@ -138,12 +147,18 @@ def test_compiled_norm_repairs_only_the_offset_rows(name):
     float64."""
     from torch.library import opcheck
 
-    make, shape, arg = _REPAIRED[name]
+    name, make, shape, arg, memory_format, floors = _REPAIRED[case]
+    for (where, attr), value in floors.items():
+        monkeypatch.setattr(where, attr, value)
     op, backward_op = (getattr(torch.ops.normkit, name),
                        getattr(torch.ops.normkit, f"{name}_backward"))
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(shape, generator=gen)
     x[1], x[4] = x[1] * 0.01 + 3e3, x[4] * 0.01 - 1e4
+    if name == "group_norm":  # (and one group of a third sample: the rest of it is kept)
+        x[2, :4] = x[2, :4] * 0.01 + 50.0
+    if memory_format is not None:
+        x = x.contiguous(memory_format=memory_format)
     w, b = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
     opcheck(op.default, (x, arg, w, b, 1e-5))
     _, mean_hi, mean_lo, rstd = op(x, arg, w, b, 1e-5)
@@ -167,7 +182,9 @@ def test_compiled_norm_repairs_only_the_offset_rows(name):
     ref_x = x.double().requires_grad_()
     ref_w, ref_b = w.double().requires_grad_(), b.double().requires_grad_()
     ref = (torch.nn.functional.layer_norm(ref_x, (8,), ref_w, ref_b) if name == "layer_norm"
-           else torch.nn.functional.group_norm(ref_x, 2, ref_w, ref_b))
+           # (on NCHW: torch's channels-last GroupNorm kernel sums squares unshifted, off
+           # even in float64 at these offsets)
+           else torch.nn.functional.group_norm(ref_x.contiguous(), 2, ref_w, ref_b))
     dy = torch.randn(shape, generator=gen, dtype=torch.float64)
     y.backward(dy.float())
     ref.backward(dy)
@@ -443,3 +460,26 @@ def test_fullgraph_compile_across_image_sizes(name, layout, grad):
         with torch.set_grad_enabled(grad):
             want, got = eager(x), compiled(x)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("positions", [(3, 3), (4, 4)], ids=["kernel", "engine"])
+def test_group_norm_backward_operator_keeps_the_input_layout(positions, monkeypatch):
+    """normkit.group_norm_backward's dx has x's layout whatever dy's, as its fake says: on
+    channels-last input served by the slice-sums engine it followed dy's layout, so a
+    compiled channels-last GroupNorm whose gradient came back contiguous (a flatten and a
+    linear head after it) failed in Inductor's stride assertion."""
+    from torch.library import opcheck
+
+    monkeypatch.setattr(channels, "MIN_ELEMENTS", 0)  # (the engine at this small size)
+    monkeypatch.setattr(channels, "GROUP_NORM_MIN_POSITIONS", 16)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 8, *positions, generator=gen).contiguous(
+        memory_format=torch.channels_last)
+    w, b = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    _, mean_hi, mean_lo, rstd = torch.ops.normkit.group_norm(x, 2, w, b, 1e-5)
+    dy = torch.randn(x.shape, generator=gen)  # (contiguous)
+    opcheck(torch.ops.normkit.group_norm_backward.default,
+            (dy, x, 2, mean_hi, mean_lo, rstd, w, b, [True, True, True]))
+    dx = torch.ops.normkit.group_norm_backward(dy, x, 2, mean_hi, mean_lo, rstd, w, b,
+                                               [True, True, True])[0]
+    assert dx.is_contiguous(memory_format=torch.channels_last)

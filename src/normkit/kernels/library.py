@@ -243,19 +243,43 @@ def _group_norm_forward(x, num_groups, weight, bias, eps):
     elif positions < channels.GROUP_NORM_MIN_POSITIONS:
         y, mean, rstd = torch.native_group_norm(x, weight, bias, n, c, positions, num_groups,
                                                 eps)
-        if native.well_conditioned(mean, rstd, channels.RATIO):
+        bad = native.rows_past(mean, rstd, channels.RATIO)
+        if bad is None:
             return y, mean, zeros, rstd
+        if _repairs(bad, mean):  # (as in eager mode: functional._group_norm_channels_last)
+            return _repaired(y, x, bad, mean, zeros, rstd, weight, bias, eps, num_groups)
     elif channels.supports(x, weight, bias):
-        stats = channels.moments(x, channels.Pool("group", num_groups), eps)
+        stats = channels.group_moments(x, channels.Pool("group", num_groups), eps)
         if stats is not None:
-            mean, _, rstd = stats  # (N, C): each group's value repeated over its channels
+            mean, _, rstd, bad = stats  # (N, C): each group's value repeated over its channels
             y = channels.affine(x, mean, rstd, weight, bias)
-            return y, mean[:, ::cpg].contiguous(), zeros, rstd[:, ::cpg].contiguous()
+            mean, rstd = mean[:, ::cpg].contiguous(), rstd[:, ::cpg].contiguous()
+            if bad is None:
+                return y, mean, zeros, rstd
+            return _repaired(y, x, bad, mean, zeros, rstd, weight, bias, eps, num_groups)
     grouped, dims, pview = _grouped_view(x.contiguous(), num_groups)
     y, mean_hi, mean_lo, _, rstd = normalize_forward(grouped, dims, _view(weight, pview),
                                                      _view(bias, pview), eps)
     y = y.flatten(1, 2).contiguous(memory_format=_layout(x))
     return (y, *(t.reshape(n, num_groups).to(x.dtype) for t in (mean_hi, mean_lo, rstd)))
+
+
+def _repairs(bad: Tensor, mean: Tensor) -> bool:
+    """Whether channels-last GroupNorm renormalizes groups ``bad`` one by one rather than
+    taking the compensated path for the whole call (``channels.REPAIR_MAX_SHARE``)."""
+    return bad.numel() <= channels.REPAIR_MAX_SHARE * mean.numel()
+
+
+def _repaired(y, x, bad, mean, mean_lo, rstd, weight, bias, eps, num_groups):
+    """The forward's result with the channels-last groups ``bad`` renormalized by the
+    compensated core (:class:`~normkit.kernels.native.RowRepair`) and their compensated
+    statistics in the ``(N, G)`` outputs, from which the backward finds them again."""
+    repair = native.RowRepair.apply(y, x, x.numel() // mean.numel(), bad, weight, bias, eps,
+                                    groups=num_groups)
+    for stat, fixed in ((mean, repair.mean_hi), (mean_lo, repair.mean_lo),
+                        (rstd, repair.rstd)):
+        stat.view(-1).index_copy_(0, bad, fixed.reshape(-1).to(stat.dtype))
+    return y, mean, mean_lo, rstd
 
 
 def _group_norm_forward_fake(x, num_groups, weight, bias, eps):
@@ -274,20 +298,30 @@ def _group_norm_backward(dy, x, num_groups, mean_hi, mean_lo, rstd, weight, bias
             output_mask[2] and bias is not None]
     accurate = native.well_conditioned(mean, rstd, _group_bound(x))
     layout = _layout(x)
-    bad = None if accurate or not x.is_contiguous() else native.ill_conditioned_rows(
-        mean, rstd, _group_bound(x))
-    if bad is not None and bad.numel() < mean.numel():
-        # NCHW with repaired groups: the kernel's backward with their gradient zeroed,
-        # then theirs from their compensated statistics (native.group_norm)
+    # (dy in x's layout: every branch returns dx in it, as the fake implementation says;
+    # the engine's dx followed dy's layout)
+    dy = dy.contiguous(memory_format=layout)
+    bad = None if accurate else native.ill_conditioned_rows(mean, rstd, _group_bound(x))
+    engine = not x.is_contiguous() and positions >= channels.GROUP_NORM_MIN_POSITIONS
+    if bad is not None and bad.numel() < mean.numel() and (
+            x.is_contiguous() or (_repairs(bad, mean) and (
+                not engine or channels.supports(x, weight, bias)))):
+        # repaired groups (as the forward found them from its statistics): the kernel's
+        # (engine's) backward without them, then theirs from their compensated statistics
         k = x.numel() // mean.numel()
-        repair = native.RowRepair(
-            bad, k, x.reshape(-1, k).index_select(0, bad),
-            *(t.reshape(-1, 1).index_select(0, bad) for t in (mean_hi, mean_lo, rstd)),
-            groups=num_groups)
-        dy = dy.contiguous()
-        grads = native.group_norm_backward(repair.zeroed(dy), x, mean, rstd, weight, n, c,
-                                           positions, num_groups, mask)
-        grads = repair.patch(_masked(grads, mask), dy, weight, bias, mask)
+        repair = native.RowRepair(bad, k, None, *(t.reshape(-1, 1).index_select(0, bad)
+                                                  for t in (mean_hi, mean_lo, rstd)),
+                                  groups=num_groups, layout=layout)
+        repair.rows = repair._take(x)
+        if engine:
+            pool = channels.Pool("group", num_groups)
+            grads = channels.repaired_backward(
+                repair, dy, x, mean.repeat_interleave(cpg, 1), rstd.repeat_interleave(cpg, 1),
+                weight, bias, pool, mask)
+        else:
+            grads = native.group_norm_backward(repair.zeroed(dy), x, mean, rstd, weight, n,
+                                               c, positions, num_groups, mask)
+            grads = repair.patch(_masked(grads, mask), dy, weight, bias, mask)
     elif accurate and (x.is_contiguous() or positions < channels.GROUP_NORM_MIN_POSITIONS):
         grads = native.group_norm_backward(
             dy.contiguous(memory_format=layout), x, mean, rstd, weight, n, c, positions,
