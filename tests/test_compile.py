@@ -483,3 +483,54 @@ def test_group_norm_backward_operator_keeps_the_input_layout(positions, monkeypa
     dx = torch.ops.normkit.group_norm_backward(dy, x, 2, mean_hi, mean_lo, rstd, w, b,
                                                [True, True, True])[0]
     assert dx.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("route", ["kernel", "compensated", "engine"])
+@pytest.mark.parametrize("op", ["layer_norm", "group_norm", "batch_norm_train"])
+def test_backward_operators_return_dx_in_the_inputs_layout(op, route, monkeypatch):
+    """Every backward operator's dx has its input's layout whatever the gradient's, as
+    their fake implementations say. The compensated paths' (and the channels-last
+    engine's) dx followed dy's strides: a compiled LayerNorm on far off-center features
+    followed by a transpose failed in Inductor's stride assertion (reproduced); opcheck's
+    fake-tensor comparison finds it on small inputs."""
+    from torch.library import opcheck
+
+    from normkit.kernels import native
+
+    if route == "engine":  # (the slice-sums engine for channels-last input of this size)
+        if op == "layer_norm":
+            pytest.skip("LayerNorm rows take no engine")
+        for where, attr, value in ((channels, "MIN_ELEMENTS", 0),
+                                   (channels, "GROUP_NORM_MIN_POSITIONS", 16),
+                                   (native, "CHANNELS_LAST_MAX_COUNT", 1),
+                                   (channels, "CHANNELS_LAST_BACKWARD_MAX_COUNT", 1)):
+            monkeypatch.setattr(where, attr, value)
+    offset = 1e4 if route == "compensated" else 0.0
+    gen = torch.Generator().manual_seed(4)
+    w, b = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    if op == "layer_norm":
+        x = torch.randn(6, 8, generator=gen) + offset
+        stats = torch.ops.normkit.layer_norm(x, [8], w, b, 1e-5)[1:]
+        dys = [torch.randn(8, 6, generator=gen).t()]  # (a transposed gradient)
+        args = lambda dy: (dy, x, [8], *stats, w, b, [True, True, True])  # noqa: E731
+    else:
+        dys = []
+        for layout in (torch.contiguous_format, torch.channels_last):
+            x = (torch.randn(4, 8, 4, 4, generator=gen) + offset).contiguous(
+                memory_format=layout)
+            other = (torch.channels_last if layout == torch.contiguous_format
+                     else torch.contiguous_format)
+            dys.append((x, torch.randn(4, 8, 4, 4, generator=gen).contiguous(
+                memory_format=other)))
+    backward = getattr(torch.ops.normkit, f"{op}_backward").default
+    if op == "layer_norm":
+        for dy in dys:
+            opcheck(backward, args(dy))
+        return
+    for x, dy in dys:
+        if op == "group_norm":
+            stats = torch.ops.normkit.group_norm(x, 2, w, b, 1e-5)[1:]
+            opcheck(backward, (dy, x, 2, *stats, w, b, [True, True, True]))
+        else:
+            stats = torch.ops.normkit.batch_norm_train(x, w, b, 1e-5)[1:4]
+            opcheck(backward, (dy, x, *stats, w, 1e-5, [True, True, True]))

@@ -103,6 +103,7 @@ def _layer_norm_backward(dy, x, normalized_shape, mean_hi, mean_lo, rstd, weight
     mask = [output_mask[0], output_mask[1] and weight is not None,
             output_mask[2] and bias is not None]
     mean = mean_hi + mean_lo
+    dy = dy.contiguous()  # (x's layout: the compensated dx followed dy's strides)
     threshold = native.THRESHOLDS["layer_norm"]
     bad = None if native.well_conditioned(mean, rstd, threshold) else \
         native.ill_conditioned_rows(mean, rstd, threshold)
@@ -115,7 +116,6 @@ def _layer_norm_backward(dy, x, normalized_shape, mean_hi, mean_lo, rstd, weight
         repair = None if bad is None else native.RowRepair(
             bad, k, x.reshape(-1, k).index_select(0, bad), *(
                 t.reshape(-1, 1).index_select(0, bad) for t in (mean_hi, mean_lo, rstd)))
-        dy = dy.contiguous()
         grads = torch.ops.aten.native_layer_norm_backward(
             dy if repair is None else repair.zeroed(dy), x, normalized_shape, mean, rstd,
             weight, bias, mask)
@@ -414,6 +414,10 @@ def _batch_norm_train_backward(dy, x, mean_hi, mean_lo, rstd, weight, eps, outpu
     mean = mean_hi + mean_lo
     mask = [output_mask[0], output_mask[1] and weight is not None, output_mask[2]]
     nchw = x.is_contiguous()
+    # (dy in x's layout: every branch returns dx in it, as the fake implementation says;
+    # the engine's and the compensated path's dx followed dy's)
+    dy = dy.contiguous(memory_format=torch.contiguous_format if nchw
+                       else _channels_last_format(x))
     accurate = native.well_conditioned(
         mean, rstd, _nchw_bound(x, weight) if nchw
         else native.THRESHOLDS["batch_norm_channels_last_train"])
