@@ -224,12 +224,15 @@ def ill_conditioned_rows(mean: Tensor, rstd: Tensor, threshold: float) -> Tensor
 
 
 class RowRepair:
-    """Rows of a LayerNorm kernel's output normalized again by normkit's compensated core.
+    """Rows of a fast path's output normalized again by normkit's compensated core: the
+    rows of a LayerNorm, the ``(sample, group)`` groups of a GroupNorm or InstanceNorm
+    (NCHW or channels-last), the positions of a LayerNorm2d on NCHW.
 
     :meth:`apply` overwrites those rows of the output in place (no autograd) and keeps
-    their compensated statistics; :meth:`backward` gives those rows' gradients from
-    them. The caller runs the kernel's backward on the gradient with the rows zeroed
-    (:meth:`zeroed`): a zero row adds nothing to any gradient.
+    their compensated statistics (:meth:`statistics`); :meth:`backward` gives those rows'
+    gradients from them. The caller runs the kernel's backward on the gradient with the
+    rows zeroed (:meth:`zeroed`; a zero row adds nothing to any gradient) or skipping
+    them (the slice-sums engine's ``skip``), then :meth:`patch` puts theirs in.
 
     Example:
         >>> x = torch.randn(3, 8)
