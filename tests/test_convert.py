@@ -174,3 +174,31 @@ def test_unpatch_warns_where_torch_would_store_another_running_var():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         normkit.unpatch(torch.nn.Sequential(normkit.BatchNorm2d(3)))
+
+
+class _NormThenTanh(nn.LayerNorm):
+    """A subclass of a torch norm with a forward of its own (as timm's LayerNorm2d,
+    BatchNormAct2d, GroupNormAct are)."""
+
+    def forward(self, x):
+        return torch.tanh(super().forward(x))
+
+
+def test_patch_names_the_subclasses_it_leaves_alone():
+    """patch replaces exact torch classes only: a subclass's forward is its own. A model
+    whose norms are all such subclasses (most timm models: timm.layers.LayerNorm,
+    BatchNormAct2d, ...) got "without any" norm layers; the error now names them and what
+    to do, and a model with both gets its torch layers patched and a warning naming the
+    subclasses it kept."""
+    only = nn.Sequential(nn.Linear(4, 8), _NormThenTanh(8), _NormThenTanh(8))
+    with pytest.raises(ValueError, match=r"2 test_convert\._NormThenTanh.*normkit\."):
+        normkit.patch(only)
+    both = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), _NormThenTanh(8))
+    with pytest.warns(UserWarning, match=r"left 1 test_convert\._NormThenTanh alone"):
+        patched = normkit.patch(both)
+    assert type(patched[1]) is normkit.LayerNorm and type(patched[2]) is _NormThenTanh
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(patched(x), both(x))
+    with warnings.catch_warnings():  # (normkit's own subclasses are not "left alone")
+        warnings.simplefilter("error")
+        normkit.patch(nn.Sequential(nn.LayerNorm(8), normkit.LayerNorm2d(8)))

@@ -245,8 +245,10 @@ def patch(model: nn.Module) -> nn.Module:
 
     Exact torch classes only (``BatchNorm*d``, ``SyncBatchNorm``, ``LayerNorm``,
     ``RMSNorm``, ``GroupNorm``, ``InstanceNorm*d``), parametrized ones too
-    (``torch.nn.utils.parametrize``: the parametrizations are kept); user subclasses are
-    left alone.
+    (``torch.nn.utils.parametrize``: the parametrizations are kept); subclasses of them
+    are left alone -- their forward is their own (timm's ``BatchNormAct2d`` adds an
+    activation, its ``LayerNorm2d`` permutes) -- with a warning naming them, and where
+    they are all the model holds, the ValueError names them.
     Parameters, buffers, hooks and settings carry over, so the ``state_dict`` and the
     outputs are the same (up to normkit's more precise statistics). Raises ValueError
     when there is nothing to patch.
@@ -257,9 +259,38 @@ def patch(model: nn.Module) -> nn.Module:
         >>> type(normkit.patch(net)[1]).__module__
         'normkit.norms.layer'
     """
+    kept = _subclassed_norms(model)
+    what = "torch.nn normalization layers to patch"
+    if kept and not any(_layer_class(m) in _DROP_INS for m in model.modules()):
+        raise ValueError(
+            f"expected a model holding {what}, got a {type(model).__name__} whose norm "
+            f"layers are all subclasses of them ({_kept_text(kept)}), which patch leaves "
+            "alone: their forward is their own. Build those layers from normkit's classes "
+            "instead (normkit.BatchNormAct2d, normkit.LayerNorm2d, normkit.GroupNormAct, "
+            "... take torch's arguments)")
+    if kept:
+        warnings.warn(f"patch: left {_kept_text(kept)} alone (subclasses of torch.nn norms, "
+                      "whose forward is their own)", stacklevel=2)
     return replace_modules(model, lambda m: _layer_class(m) in _DROP_INS,
                            lambda m: _retype(m, _DROP_INS[_layer_class(m)], True),
-                           "torch.nn normalization layers to patch", tool="patch")
+                           what, tool="patch")
+
+
+def _subclassed_norms(model: nn.Module) -> dict[str, int]:
+    """``{class name: count}`` of ``model``'s layers whose classes subclass a torch.nn
+    norm :func:`patch` replaces without being one (nor normkit's own)."""
+    kept: dict[str, int] = {}
+    for module in model.modules():
+        cls = _layer_class(module)
+        if (cls not in _DROP_INS and issubclass(cls, tuple(_DROP_INS))
+                and not cls.__module__.startswith("normkit.")):
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            kept[name] = kept.get(name, 0) + 1
+    return kept
+
+
+def _kept_text(kept: dict[str, int]) -> str:
+    return ", ".join(f"{count} {name}" for name, count in sorted(kept.items()))
 
 
 def unpatch(model: nn.Module) -> nn.Module:
