@@ -174,8 +174,12 @@ def test_collapsed_gamma():
         model[1].weight[:2] = 1e-5
     report = doctor(model, images(64))
     found = [w for w in report.warnings if w.code == "collapsed-gamma"]
-    assert [w.layer for w in found] == ["1", "4"]
-    assert "8 of 8 gamma values" in found[1].message
+    assert [w.layer for w in found] == ["1"]
+    assert "2 of 8 gamma values" in found[0].message
+    # every gamma exactly 0: the zero-init-residual start (torchvision, timm), an info
+    zero = [w for w in report.warnings if w.code == "zero-init-gamma"]
+    assert [(w.layer, w.severity) for w in zero] == [("4", "info")]
+    assert "every gamma value is exactly 0" in zero[0].message
     gammas = {layer.name: layer.gamma for layer in report.layers}
     assert gammas["4"].fraction_collapsed == 1.0 and gammas["4"].min_abs == 0.0
     assert gammas["1"].collapsed == 2 and gammas["1"].fraction_collapsed == 0.25
@@ -357,7 +361,7 @@ def test_bad_arguments():
 def test_json_round_trip_and_render():
     model = doctor_models.healthy_cnn()
     with torch.no_grad():
-        model[1].weight.zero_()
+        model[1].weight.fill_(1e-5)
         report = doctor(model, doctor_models.make_batch())
     text = report.to_json()
     data = json.loads(text)

@@ -101,6 +101,7 @@ CODES: dict[str, tuple[str, str]] = {
                                        "validation in train mode"),
     "stale-running-stats": ("warning", "eval-mode running statistics far from the batch's"),
     "collapsed-gamma": ("warning", f"|gamma| < {COLLAPSED_GAMMA:g} in some channels"),
+    "zero-init-gamma": ("info", "every gamma exactly 0: the zero-init-residual start"),
     "cumulative-momentum": ("info", "BatchNorm with momentum=None in training"),
     "batch-stats-in-eval": ("info", "BatchNorm without running statistics in eval mode"),
     "no-norm-layers": ("info", "the model has no normalization layer"),
@@ -109,7 +110,7 @@ CODES: dict[str, tuple[str, str]] = {
 
 # codes that describe the whole model: one finding listing every layer
 _MODEL_WIDE = ("small-batch", "train-under-no-grad", "cumulative-momentum",
-               "batch-stats-in-eval")
+               "batch-stats-in-eval", "zero-init-gamma")
 _SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 # (classes, family, how the statistics are taken); the first match wins
@@ -965,7 +966,18 @@ def _diagnose(call: _Call, output: TensorStats | None) -> list[tuple[str, str, s
                           "points to BN's running statistics)")
             found.append(("stale-running-stats", message, remedy))
     gamma = call.gamma
-    if gamma is not None and gamma.collapsed:
+    if gamma is not None and gamma.max_abs == 0.0:
+        # (exactly 0 everywhere: an initialization, not something training arrives at;
+        # gamma still gets its gradient, so nothing is stuck)
+        found.append(("zero-init-gamma",
+                      "every gamma value is exactly 0: the layer outputs beta, as the "
+                      "zero-initialized last norm of a residual branch does "
+                      "before training (Goyal et al. 2017; torchvision's "
+                      "zero_init_residual=True, timm's default zero_init_last), so each "
+                      "block starts as the identity; gamma still gets its gradient",
+                      "nothing to do for a zero-init-residual model; elsewhere, initialize "
+                      f"gamma = 1, beta = 0 ({_ARTICLE_BN_LN} §5.1)"))
+    elif gamma is not None and gamma.collapsed:
         found.append(("collapsed-gamma",
                       f"{gamma.collapsed} of {gamma.numel} gamma values have |gamma| < "
                       f"{COLLAPSED_GAMMA:g} (min |gamma| {gamma.min_abs:.3g}): those channels "
@@ -1171,7 +1183,9 @@ def doctor(
       (:data:`STALE_SHIFT`, :data:`STALE_VAR_RATIO`) → :func:`normkit.update_bn_stats`
       (§5.2: a drop of validation accuracy points to the running statistics).
     * ``nonfinite-input`` / ``nonfinite-output`` / ``invalid-state``: NaN or Inf.
-    * ``collapsed-gamma``: ``|gamma| <`` :data:`COLLAPSED_GAMMA` (§5.1: gamma = 1, beta = 0).
+    * ``collapsed-gamma``: ``|gamma| <`` :data:`COLLAPSED_GAMMA` (§5.1: gamma = 1, beta = 0);
+      every gamma exactly 0 is ``zero-init-gamma`` instead (info: the zero-init-residual
+      start of torchvision's and timm's ResNets).
     * ``cumulative-momentum``, ``batch-stats-in-eval``, ``no-norm-layers``: information.
 
     Args:
