@@ -202,3 +202,84 @@ def test_patch_names_the_subclasses_it_leaves_alone():
     with warnings.catch_warnings():  # (normkit's own subclasses are not "left alone")
         warnings.simplefilter("error")
         normkit.patch(nn.Sequential(nn.LayerNorm(8), normkit.LayerNorm2d(8)))
+
+
+@pytest.mark.parametrize("to", ["bn", "gn", "in", "ln", "none"])
+@pytest.mark.parametrize("source", ["BatchNormAct2d", "GroupNormAct"])
+def test_convert_norms_keeps_the_activation_of_fused_layers(source, to):
+    """convert_norms replaced normkit.BatchNormAct2d / GroupNormAct by the plain target
+    norm: the activation inside them vanished silently (a ReLU network turned linear).
+    The activation stays now -- in the target's fused class for bn/gn, after the new norm
+    otherwise, alone for "none" -- and the output is the target norm's, activated."""
+    layer = (normkit.BatchNormAct2d(8, act="leaky_relu", negative_slope=0.2)
+             if source == "BatchNormAct2d" else
+             normkit.GroupNormAct(2, 8, act="leaky_relu", negative_slope=0.2))
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.uniform_(-0.5, 0.5)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), layer)
+    if source == "GroupNormAct" and to == "in":  # (GroupNorm's rank is unknown: as before)
+        with pytest.raises(ValueError, match="input rank is unknown"):
+            normkit.convert_norms(net, to)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (InstanceNorm has no affine: dropped, said)
+        converted = normkit.convert_norms(net, to)
+    x = torch.randn(4, 3, 10, 10)
+    h = net[0](x)
+    new = converted[1]
+    norm = new[0] if isinstance(new, nn.Sequential) else new
+    if to == "none":
+        want = torch.nn.functional.leaky_relu(h, 0.2)
+    elif isinstance(new, nn.Sequential):
+        want = torch.nn.functional.leaky_relu(norm(h), 0.2)
+    else:  # the fused class: the plain norm's output from the same state, then the act
+        plain = {"bn": nn.BatchNorm2d(8), "gn": nn.GroupNorm(norm.num_groups if to == "gn"
+                                                             else 1, 8)}[to]
+        plain.load_state_dict(norm.state_dict())
+        plain.train(norm.training)
+        want = torch.nn.functional.leaky_relu(plain(h), 0.2)
+        assert getattr(norm, "act", None) == "leaky_relu" and norm.negative_slope == 0.2
+    torch.testing.assert_close(converted(x), want, rtol=1e-5, atol=1e-5)
+    if to in ("bn", "gn"):  # (the source's affine carried over)
+        torch.testing.assert_close(norm.weight, layer.weight)
+
+
+def test_convert_norms_keeps_residual_norms_and_refuses_foreign_forwards():
+    """AddLayerNorm/AddRMSNorm take (x, residual) and return two tensors: they convert
+    to each other only. A subclass of a torch norm with a forward of its own (timm's
+    BatchNormAct2d, LayerNorm2d: an activation, a permute) is refused by name rather than
+    converted without it; ``where=`` leaves it out."""
+    added = normkit.convert_norms(nn.Sequential(normkit.AddLayerNorm(8)), "rms")
+    assert type(added[0]) is normkit.AddRMSNorm
+    with pytest.raises(ValueError, match="adds a residual"):
+        normkit.convert_norms(nn.Sequential(normkit.AddLayerNorm(8)), "none")
+    net = nn.Sequential(nn.Linear(4, 8), _NormThenTanh(8), nn.Linear(8, 8), nn.LayerNorm(8))
+    with pytest.raises(ValueError, match=r"test_convert\._NormThenTanh at '1'.*where="):
+        normkit.convert_norms(net, "rms")
+    kept = normkit.convert_norms(net, "rms", where=lambda name, m: type(m) is nn.LayerNorm)
+    assert type(kept[1]) is _NormThenTanh and type(kept[3]) is normkit.RMSNorm
+
+
+@pytest.mark.parametrize("tool", ["freeze_batchnorm", "convert_sync_batchnorm"])
+def test_batchnorm_tools_keep_the_activation_and_refuse_own_forwards(tool):
+    """freeze_batchnorm and convert_sync_batchnorm replaced normkit.BatchNormAct2d by a
+    plain FrozenBatchNorm2d / SyncBatchNorm: its activation vanished silently, as did the
+    activation of a subclass with its own forward (timm's BatchNormAct2d). The activation
+    stays now (after the new layer), and such subclasses are refused by name."""
+    layer = normkit.BatchNormAct2d(8, act="leaky_relu", negative_slope=0.2)
+    with torch.no_grad():
+        layer.running_mean.uniform_(-1, 1)
+        layer.bias.uniform_(-0.5, 0.5)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), layer).eval()
+    new = getattr(normkit, tool)(net).eval()
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(new(x), net(x), rtol=1e-5, atol=1e-6)
+    assert isinstance(new[1][1], nn.LeakyReLU) and new[1][1].negative_slope == 0.2
+
+    class ReluBatchNorm(nn.BatchNorm2d):
+        def forward(self, x):
+            return torch.relu(super().forward(x))
+
+    with pytest.raises(ValueError, match=rf"{tool}: .*ReluBatchNorm at '1'"):
+        getattr(normkit, tool)(nn.Sequential(nn.Conv2d(3, 8, 3), ReluBatchNorm(8)))

@@ -8,7 +8,106 @@ from collections.abc import Callable
 from torch import nn
 from torch.nn.utils import parametrize
 
-__all__ = ["check_initialized", "replace_modules", "move_parametrizations"]
+__all__ = ["check_initialized", "replace_modules", "move_parametrizations",
+           "refuse_own_forwards", "activation_of", "activation_module", "keep_activation"]
+
+
+def _layer_class(module: nn.Module) -> type:
+    """``module``'s class, or for a parametrized layer the class it was made from."""
+    cls = type(module)
+    return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
+
+
+def refuse_own_forwards(model: nn.Module, match: Callable[..., bool], tool: str,
+                        with_names: bool = False, hint: str = "") -> None:
+    """Raise a ValueError naming the layers ``match`` selects whose class defines the
+    forward it runs outside torch and normkit: subclasses of torch's norms with a forward
+    of their own (timm's ``BatchNormAct2d`` adds an activation, its ``LayerNorm2d``
+    permutes), which replacing by another norm would silently change beyond the norm.
+
+    Example:
+        >>> import torch
+        >>> class NormThenTanh(nn.LayerNorm):
+        ...     def forward(self, x):
+        ...         return torch.tanh(super().forward(x))
+        >>> NormThenTanh.forward.__module__ = "mymodels"  # (a doctest's is this module's)
+        >>> net = nn.Sequential(nn.LayerNorm(4), NormThenTanh(4))
+        >>> refuse_own_forwards(net, lambda m: isinstance(m, nn.LayerNorm), "convert_norms")
+        Traceback (most recent call last):
+        ...
+        ValueError: convert_norms: ...NormThenTanh at '1': subclasses of torch's norm ...
+    """
+    found: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        cls = _layer_class(module)
+        owner = getattr(cls.forward, "__module__", None) or ""
+        selected = match(name, module) if with_names else match(module)
+        if selected and not owner.startswith(("torch.", "normkit.")):
+            found.setdefault(f"{cls.__module__}.{cls.__qualname__}", []).append(name)
+    if found:
+        listed = "; ".join(
+            f"{cls} at {', '.join(repr(n) for n in names[:3])}"
+            f"{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+            for cls, names in sorted(found.items()))
+        raise ValueError(
+            f"{tool}: {listed}: subclasses of torch's norm layers with a forward of their "
+            "own (it may add an activation or permute), which the replacement would drop"
+            f"{hint}; build those layers from normkit's classes (normkit.BatchNormAct2d, "
+            "normkit.GroupNormAct, normkit.LayerNorm2d, ...) to use this tool on them")
+
+
+#: normkit's fused act layers' activation names -> torch modules computing them
+_ACTIVATIONS: dict[str, Callable[[nn.Module], nn.Module]] = {
+    "relu": lambda m: nn.ReLU(),
+    "leaky_relu": lambda m: nn.LeakyReLU(m.negative_slope),
+    "elu": lambda m: nn.ELU(m.alpha),
+    "silu": lambda m: nn.SiLU(),
+    "gelu": lambda m: nn.GELU(),
+    "identity": lambda m: nn.Identity(),
+}
+
+
+def activation_of(module: nn.Module) -> str | None:
+    """The activation a normkit fused layer (``BatchNormAct*d``, ``GroupNormAct``)
+    applies after its norm, else ``None``.
+
+    Example:
+        >>> import normkit
+        >>> activation_of(normkit.GroupNormAct(2, 4, act="silu")), activation_of(nn.ReLU())
+        ('silu', None)
+    """
+    if _layer_class(module).__module__ == "normkit.norms.fused" and isinstance(
+            getattr(module, "act", None), str):
+        return module.act
+    return None
+
+
+def activation_module(module: nn.Module) -> nn.Module:
+    """The torch module computing the activation of normkit fused layer ``module``.
+
+    Example:
+        >>> import normkit
+        >>> activation_module(normkit.BatchNormAct2d(4, act="leaky_relu", negative_slope=0.2))
+        LeakyReLU(negative_slope=0.2)
+    """
+    return _ACTIVATIONS[module.act](module)
+
+
+def keep_activation(source: nn.Module, new: nn.Module) -> nn.Module:
+    """``new`` (what replaces ``source``), followed by ``source``'s activation where
+    ``source`` is a normkit fused layer: ``nn.Sequential(new, activation)``; else ``new``.
+
+    Example:
+        >>> import normkit
+        >>> keep_activation(normkit.BatchNormAct2d(4), normkit.FrozenBatchNorm2d(4))
+        Sequential(
+          (0): FrozenBatchNorm2d(4, eps=1e-05)
+          (1): ReLU()
+        )
+    """
+    if activation_of(source) is None:
+        return new
+    return nn.Sequential(new, activation_module(source))
 
 
 def move_parametrizations(source: nn.Module, target: nn.Module) -> None:

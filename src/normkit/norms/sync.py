@@ -18,7 +18,12 @@ from torch.nn.utils import parametrize
 
 from .. import _stats
 from .. import functional as F
-from .._surgery import move_parametrizations, replace_modules
+from .._surgery import (
+    keep_activation,
+    move_parametrizations,
+    refuse_own_forwards,
+    replace_modules,
+)
 from ._base import fx_leaf
 from .batch import (
     BatchNorm,
@@ -264,7 +269,11 @@ def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:
 
     The caller's model is not modified. Parameters, buffers, ``momentum``, ``eps`` and
     the train/eval mode carry over. BatchRenorm layers are left alone (their statistics
-    are not BatchNorm's); FrozenBatchNorm has no batch statistics to synchronize.
+    are not BatchNorm's); FrozenBatchNorm has no batch statistics to synchronize. The
+    activation of :class:`normkit.BatchNormAct2d` (and 1d/3d) stays, after the
+    SyncBatchNorm (an ``nn.Sequential`` of the two); a subclass of torch's BatchNorm with
+    a forward of its own (timm's ``BatchNormAct2d``) raises a ValueError naming it
+    rather than losing what its forward adds.
 
     Example:
         >>> import torch, normkit
@@ -283,8 +292,9 @@ def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:
     def match(module):
         return _is_plain_batchnorm(module) and not isinstance(module, SyncBatchNorm)
 
-    return replace_modules(model, match, build, "BatchNorm layers",
-                           tool="convert_sync_batchnorm")
+    refuse_own_forwards(model, match, "convert_sync_batchnorm")
+    return replace_modules(model, match, lambda bn: keep_activation(bn, build(bn)),
+                           "BatchNorm layers", tool="convert_sync_batchnorm")
 
 
 def revert_sync_batchnorm(model: nn.Module, cls: type[nn.Module] = BatchNorm) -> nn.Module:
@@ -311,5 +321,9 @@ def revert_sync_batchnorm(model: nn.Module, cls: type[nn.Module] = BatchNorm) ->
                  sync.track_running_stats, **kw)
         return _transfer(sync, bn)
 
-    return replace_modules(model, lambda m: isinstance(m, nn.SyncBatchNorm), build,
-                           "SyncBatchNorm layers", tool="revert_sync_batchnorm")
+    def match(module):
+        return isinstance(module, nn.SyncBatchNorm)
+
+    refuse_own_forwards(model, match, "revert_sync_batchnorm")
+    return replace_modules(model, match, build, "SyncBatchNorm layers",
+                           tool="revert_sync_batchnorm")

@@ -19,8 +19,16 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._surgery import move_parametrizations, replace_modules
+from .._surgery import (
+    activation_module,
+    activation_of,
+    keep_activation,
+    move_parametrizations,
+    refuse_own_forwards,
+    replace_modules,
+)
 from ..norms import batch as nk_batch
+from ..norms import fused as nk_fused
 from ..norms import group as nk_group
 from ..norms import layer as nk_layer
 from ..norms import sync as nk_sync
@@ -127,6 +135,46 @@ def _target_factory(to: str, source: nn.Module, name: str) -> Callable[..., nn.M
         f"{to!r}; expected one of ln, rms, none")
 
 
+def _with_activation(target: nn.Module, source: nn.Module, act: str) -> nn.Module:
+    """``target`` followed by ``source``'s activation: BatchNorm*d and GroupNorm as their
+    fused classes (the same state), ``nn.Identity`` as the activation alone, anything else
+    as ``nn.Sequential(target, activation)``."""
+    options = {"act": act, "negative_slope": source.negative_slope, "alpha": source.alpha}
+    fused = {nk_batch.BatchNorm1d: nk_fused.BatchNormAct1d,
+             nk_batch.BatchNorm2d: nk_fused.BatchNormAct2d,
+             nk_batch.BatchNorm3d: nk_fused.BatchNormAct3d}.get(type(target))
+    if fused is not None:
+        new = fused(target.num_features, target.eps, target.momentum, target.affine,
+                    target.track_running_stats, **options)
+    elif type(target) is nk_group.GroupNorm:
+        new = nk_fused.GroupNormAct(target.num_groups, target.num_channels, target.eps,
+                                    target.affine, **options)
+    elif isinstance(target, nn.Identity):
+        return activation_module(source)
+    else:
+        return keep_activation(source, target)
+    ref = next(iter(target.parameters()), next(iter(target.buffers()), None))
+    if ref is not None:
+        new = new.to(device=ref.device, dtype=ref.dtype)
+    new.load_state_dict(target.state_dict())
+    new.backend = getattr(target, "backend", "auto")
+    return new
+
+
+def _residual_target(to, source: nn.Module, name: str) -> Callable[..., nn.Module]:
+    """The residual-add class for ``to`` (AddLayerNorm, AddRMSNorm): their forward takes
+    ``(x, residual)`` and returns two tensors, which only another of them does."""
+    key = _canon(to) if isinstance(to, str) else None
+    if key in ("ln", "layernorm"):
+        return nk_fused.AddLayerNorm
+    if key in ("rms", "rmsnorm"):
+        return nk_fused.AddRMSNorm
+    raise ValueError(
+        f"cannot convert {type(source).__name__} at {name!r} (adds a residual, then "
+        f"normalizes the last dims: its forward takes (x, residual) and returns two "
+        f"tensors) to {to!r}; expected ln or rms")
+
+
 def _copy_affine(source: nn.Module, target: nn.Module) -> list[str]:
     """Copy weight/bias when both exist with the same shape; return what was dropped."""
     dropped = []
@@ -152,7 +200,16 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
     ``"bn"``, ``"gn"`` (group count: the largest divisor of C up to 32, or
     ``num_groups=``), ``"in"``, ``"ln"`` (as :class:`normkit.LayerNorm2d`) or ``"none"``;
     a last-dim layer (LayerNorm, RMSNorm) can become ``"ln"``, ``"rms"`` or ``"none"``.
-    Anything else raises a ValueError naming the layer. ``weight``/``bias`` are copied
+    Anything else raises a ValueError naming the layer. What a layer does besides
+    normalizing stays: the activation of :class:`normkit.BatchNormAct2d` and
+    :class:`normkit.GroupNormAct` (into the target's fused class where there is one --
+    BatchNorm and GroupNorm -- else an ``nn.Sequential`` of the new norm and the
+    activation; ``"none"`` leaves the activation), the residual add of
+    :class:`normkit.AddLayerNorm` / :class:`normkit.AddRMSNorm` (``"ln"`` / ``"rms"``
+    only). Subclasses of torch's norms with a forward of their own (timm's
+    ``BatchNormAct2d``, ``LayerNorm2d``, ...) raise a ValueError naming them: their
+    forward may add an activation or permute, which a conversion would silently drop --
+    leave them out with ``where=``. ``weight``/``bias`` are copied
     when the target has them with the same shape; a non-trivial one that cannot be kept
     (LayerNorm's bias into RMSNorm) is reported with a warning. Running statistics are
     not copied (they belong to BatchNorm). Parametrizations
@@ -190,8 +247,14 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
     def match(name, module):
         return is_norm_layer(module) and bool(selected(name, module))
 
+    refuse_own_forwards(model, match, "convert_norms", with_names=True,
+                        hint="; leave them out with where=")
+
     def build(name, source):
-        if isinstance(to, str):
+        act = activation_of(source)
+        if isinstance(source, (nk_fused.AddLayerNorm, nk_fused.AddRMSNorm)):
+            target = _residual_target(to, source, name)(_channels(source), **kwargs)
+        elif isinstance(to, str):
             target = _target_factory(to, source, name)(_channels(source), **kwargs)
         else:  # a class, partial or callable: the registry knows GroupNorm's argument order
             target = get_norm_layer(to, _channels(source), **kwargs)
@@ -210,6 +273,8 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
                           f"{', '.join(source.parametrizations)}) are not carried over to "
                           f"the {type(target).__name__}; their current values are",
                           stacklevel=5)
+        if act is not None:  # (the activation stays, fused where the target has a class)
+            target = _with_activation(target, source, act)
         return target.train(source.training)
 
     what = "normalization layers" + ("" if where is None else " selected by where")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .._surgery import replace_modules
+from .._surgery import keep_activation, refuse_own_forwards, replace_modules
 from ..norms.batch import (
     FrozenBatchNorm,
     FrozenBatchNorm1d,
@@ -32,8 +32,11 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
     :class:`normkit.FrozenBatchNorm` of the matching rank holding its running statistics
     and affine parameters as buffers: ``model.train()`` no longer changes them and the
     optimizer no longer sees them, while gradients still flow to earlier layers.
-    Raises ValueError when the model holds no BatchNorm, or one without running
-    statistics.
+    The activation of :class:`normkit.BatchNormAct2d` (and 1d/3d) stays, after the frozen
+    layer (an ``nn.Sequential`` of the two). Raises ValueError when the model holds no
+    BatchNorm, or one without running statistics, or a subclass of torch's BatchNorm with
+    a forward of its own (timm's ``BatchNormAct2d``: freezing it would drop its
+    activation).
 
     Example:
         >>> import torch, normkit
@@ -45,8 +48,10 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
     def match(module):
         return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
-    return replace_modules(model, match, lambda bn: _frozen_class(bn).from_batchnorm(bn),
-                           "BatchNorm layers", tool="freeze_batchnorm")
+    refuse_own_forwards(model, match, "freeze_batchnorm")
+    return replace_modules(
+        model, match, lambda bn: keep_activation(bn, _frozen_class(bn).from_batchnorm(bn)),
+        "BatchNorm layers", tool="freeze_batchnorm")
 
 
 def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
@@ -62,6 +67,9 @@ def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
         >>> type(normkit.unfreeze_batchnorm(frozen)[0]).__name__
         'BatchNorm2d'
     """
-    return replace_modules(model, lambda m: isinstance(m, FrozenBatchNorm),
-                           lambda frozen: frozen.to_batchnorm(), "FrozenBatchNorm layers",
-                           tool="unfreeze_batchnorm")
+    def match(module):
+        return isinstance(module, FrozenBatchNorm)
+
+    refuse_own_forwards(model, match, "unfreeze_batchnorm")
+    return replace_modules(model, match, lambda frozen: frozen.to_batchnorm(),
+                           "FrozenBatchNorm layers", tool="unfreeze_batchnorm")
