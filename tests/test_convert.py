@@ -283,3 +283,22 @@ def test_batchnorm_tools_keep_the_activation_and_refuse_own_forwards(tool):
 
     with pytest.raises(ValueError, match=rf"{tool}: .*ReluBatchNorm at '1'"):
         getattr(normkit, tool)(nn.Sequential(nn.Conv2d(3, 8, 3), ReluBatchNorm(8)))
+
+
+class MyRMSNorm(nn.Module):
+    """A norm class of a model's own (as Hugging Face's LlamaRMSNorm), not torch's."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def test_patch_names_a_models_own_norm_classes():
+    """A model whose norms are classes of its own (Hugging Face's LlamaRMSNorm) holds
+    nothing patch replaces; the error names them and says what to build instead."""
+    net = nn.Sequential(nn.Linear(4, 8), MyRMSNorm(8), nn.Linear(8, 8), MyRMSNorm(8))
+    with pytest.raises(ValueError, match=r"2 test_convert\.MyRMSNorm.*normkit\.RMSNorm"):
+        normkit.patch(net)

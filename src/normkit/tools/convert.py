@@ -326,7 +326,15 @@ def patch(model: nn.Module) -> nn.Module:
     """
     kept = _subclassed_norms(model)
     what = "torch.nn normalization layers to patch"
-    if kept and not any(_layer_class(m) in _DROP_INS for m in model.modules()):
+    exact = any(_layer_class(m) in _DROP_INS for m in model.modules())
+    own = {} if exact or kept else _own_norm_classes(model)
+    if own:
+        raise ValueError(
+            f"expected a model holding {what}, got a {type(model).__name__} whose norm "
+            f"layers are classes of its own ({_kept_text(own)}), not torch.nn's, which "
+            "patch replaces; build those layers from normkit's classes instead (they take "
+            "torch's arguments: normkit.RMSNorm, normkit.LayerNorm, ...), keeping their eps")
+    if kept and not exact:
         raise ValueError(
             f"expected a model holding {what}, got a {type(model).__name__} whose norm "
             f"layers are all subclasses of them ({_kept_text(kept)}), which patch leaves "
@@ -352,6 +360,20 @@ def _subclassed_norms(model: nn.Module) -> dict[str, int]:
             name = f"{cls.__module__}.{cls.__qualname__}"
             kept[name] = kept.get(name, 0) + 1
     return kept
+
+
+def _own_norm_classes(model: nn.Module) -> dict[str, int]:
+    """``{class name: count}`` of layers that look like norms by name (``...Norm...``,
+    a Hugging Face ``LlamaRMSNorm``) but are neither torch's nor normkit's classes."""
+    found: dict[str, int] = {}
+    for module in model.modules():
+        cls = type(module)
+        if ("norm" in cls.__name__.lower() and not cls.__module__.startswith(("torch.",
+                                                                             "normkit."))
+                and not isinstance(module, tuple(_DROP_INS))):
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            found[name] = found.get(name, 0) + 1
+    return found
 
 
 def _kept_text(kept: dict[str, int]) -> str:
