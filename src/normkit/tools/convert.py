@@ -126,13 +126,17 @@ def _target_factory(to: str, source: nn.Module, name: str) -> Callable[..., nn.M
         raise ValueError(
             f"cannot convert {type(source).__name__} at {name!r} (normalizes the channel dim 1 "
             f"of (N, C, *)) to {to!r}; expected one of bn, gn, in, ln/ln2d, none")
-    if key in ("ln", "layernorm"):
-        return nk_layer.LayerNorm
-    if key in ("rms", "rmsnorm"):
-        return nk_layer.RMSNorm
+    family = _last_dim_family(key)
+    if family is not None:
+        return {"ln": nk_layer.LayerNorm, "rms": nk_layer.RMSNorm}[family]
     raise ValueError(
         f"cannot convert {type(source).__name__} at {name!r} (normalizes the last dims) to "
         f"{to!r}; expected one of ln, rms, none")
+
+
+def _last_dim_family(key: str | None) -> str | None:
+    """``"ln"`` or ``"rms"`` for the registry names of the last-dim families, else None."""
+    return {"ln": "ln", "layernorm": "ln", "rms": "rms", "rmsnorm": "rms"}.get(key)
 
 
 def _with_activation(target: nn.Module, source: nn.Module, act: str) -> nn.Module:
@@ -164,11 +168,9 @@ def _with_activation(target: nn.Module, source: nn.Module, act: str) -> nn.Modul
 def _residual_target(to, source: nn.Module, name: str) -> Callable[..., nn.Module]:
     """The residual-add class for ``to`` (AddLayerNorm, AddRMSNorm): their forward takes
     ``(x, residual)`` and returns two tensors, which only another of them does."""
-    key = _canon(to) if isinstance(to, str) else None
-    if key in ("ln", "layernorm"):
-        return nk_fused.AddLayerNorm
-    if key in ("rms", "rmsnorm"):
-        return nk_fused.AddRMSNorm
+    family = _last_dim_family(_canon(to) if isinstance(to, str) else None)
+    if family is not None:
+        return {"ln": nk_fused.AddLayerNorm, "rms": nk_fused.AddRMSNorm}[family]
     raise ValueError(
         f"cannot convert {type(source).__name__} at {name!r} (adds a residual, then "
         f"normalizes the last dims: its forward takes (x, residual) and returns two "
