@@ -198,3 +198,53 @@ def test_agc_takes_lr_schedulers_grad_scaler_and_checkpoints(scheduler):
     assert isinstance(opt, torch.optim.Optimizer)
     with pytest.raises(TypeError, match="expected a torch.optim.Optimizer to wrap, got list"):
         normkit.AGC([p for p in net.parameters()])
+
+
+class _BatchNormAct(nn.BatchNorm2d):
+    """A subclass of a torch norm defined outside torch, whose forward calls batch_norm
+    itself (as timm's BatchNormAct2d does: it traces, into a function call)."""
+
+    def forward(self, x):
+        return torch.relu(torch.nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+            0.1, self.eps))
+
+
+class _LayerNormEps(nn.LayerNorm):
+    """A LayerNorm subclass with its own forward (as timm's LayerNorm)."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def test_norm_subclasses_are_found_by_the_traced_searches():
+    """torch.fx traces through modules defined outside torch, so a residual branch ending
+    in a subclass of a torch norm (timm's ConvNormAct + BatchNormAct2d: regnetx_002's 13
+    branch ends) ended in a batch_norm call the search did not see, and zero_init_residual
+    zeroed nothing; a subclassed LayerNorm feeding a ReLU was missed the same way. Norm
+    layers are leaves of the trace now."""
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1), _BatchNormAct(4)
+            self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), _BatchNormAct(4)
+
+        def forward(self, x):
+            return x + self.bn2(self.conv2(self.bn1(self.conv1(x))))
+
+    net = nn.Sequential(Residual(), Residual())
+    done = normkit.init_norms_(net, zero_init_residual=True)
+    zeroed = sorted(name for name, what in done.items() if "weight=0" in what)
+    assert zeroed == ["0.bn2", "1.bn2"]
+    mlp = nn.Sequential(nn.Linear(4, 8), _LayerNormEps(8), nn.ReLU(), nn.Linear(8, 2))
+    # (not a Sequential-adjacency guess: a module whose forward puts the ReLU elsewhere)
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = mlp
+
+        def forward(self, x):
+            return self.body(x)
+
+    assert normkit.init_norms_(Head(), bias_before_relu=0.1) == {
+        "body.1": "weight=1.0, bias=0.1 (before ReLU)"}
