@@ -13,7 +13,8 @@ __all__ = ["check_initialized", "replace_modules", "move_parametrizations",
 
 
 def _layer_class(module: nn.Module) -> type:
-    """``module``'s class, or for a parametrized layer the class it was made from."""
+    """``module``'s class, or for a parametrized layer (``torch.nn.utils.parametrize``:
+    a ``Parametrized<Class>`` made for it) the class it was made from."""
     cls = type(module)
     return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
 

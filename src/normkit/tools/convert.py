@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .._surgery import (
+    _layer_class,
     activation_module,
     activation_of,
     keep_activation,
@@ -282,13 +283,6 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
     what = "normalization layers" + ("" if where is None else " selected by where")
     return replace_modules(model, match, build, what, with_names=True,
                           tool="convert_norms")
-
-
-def _layer_class(module: nn.Module) -> type:
-    """``module``'s class, or for a parametrized layer (``torch.nn.utils.parametrize``:
-    a ``Parametrized<Class>`` made for it) the class it was made from."""
-    cls = type(module)
-    return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
 
 
 def _retype(module: nn.Module, cls: type, add_normkit: bool) -> nn.Module:
