@@ -281,8 +281,11 @@ def test_batchnorm_tools_keep_the_activation_and_refuse_own_forwards(tool):
         def forward(self, x):
             return torch.relu(super().forward(x))
 
-    with pytest.raises(ValueError, match=rf"{tool}: .*ReluBatchNorm at '1'"):
-        getattr(normkit, tool)(nn.Sequential(nn.Conv2d(3, 8, 3), ReluBatchNorm(8)))
+    mixed = nn.Sequential(nn.Conv2d(3, 8, 3), ReluBatchNorm(8), nn.BatchNorm2d(8))
+    with pytest.raises(ValueError, match=rf"{tool}: .*ReluBatchNorm at '1'.*where="):
+        getattr(normkit, tool)(mixed)
+    kept = getattr(normkit, tool)(mixed, where=lambda name, m: type(m) is nn.BatchNorm2d)
+    assert type(kept[1]) is ReluBatchNorm and type(kept[2]) is not nn.BatchNorm2d
 
 
 class MyRMSNorm(nn.Module):

@@ -264,7 +264,7 @@ def _transfer(src: nn.Module, dst: nn.Module) -> nn.Module:
     return dst
 
 
-def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:
+def convert_sync_batchnorm(model: nn.Module, process_group=None, *, where=None) -> nn.Module:
     """A copy of ``model`` with every BatchNorm (torch or normkit) as normkit.SyncBatchNorm.
 
     The caller's model is not modified. Parameters, buffers, ``momentum``, ``eps`` and
@@ -273,7 +273,8 @@ def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:
     activation of :class:`normkit.BatchNormAct2d` (and 1d/3d) stays, after the
     SyncBatchNorm (an ``nn.Sequential`` of the two); a subclass of torch's BatchNorm with
     a forward of its own (timm's ``BatchNormAct2d``) raises a ValueError naming it
-    rather than losing what its forward adds.
+    rather than losing what its forward adds. ``where(name, module) -> bool`` selects the
+    layers (default: every BatchNorm), e.g. to leave such subclasses out.
 
     Example:
         >>> import torch, normkit
@@ -289,12 +290,15 @@ def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:
                              bn.track_running_stats, process_group, **kw)
         return _transfer(bn, sync)
 
-    def match(module):
-        return _is_plain_batchnorm(module) and not isinstance(module, SyncBatchNorm)
+    def match(name, module):
+        return (_is_plain_batchnorm(module) and not isinstance(module, SyncBatchNorm)
+                and (where is None or bool(where(name, module))))
 
-    refuse_own_forwards(model, match, "convert_sync_batchnorm")
-    return replace_modules(model, match, lambda bn: keep_activation(bn, build(bn)),
-                           "BatchNorm layers", tool="convert_sync_batchnorm")
+    refuse_own_forwards(model, match, "convert_sync_batchnorm", with_names=True,
+                        hint="; leave them out with where=")
+    return replace_modules(model, match, lambda name, bn: keep_activation(bn, build(bn)),
+                           "BatchNorm layers" + ("" if where is None else " selected by where"),
+                           with_names=True, tool="convert_sync_batchnorm")
 
 
 def revert_sync_batchnorm(model: nn.Module, cls: type[nn.Module] = BatchNorm) -> nn.Module:

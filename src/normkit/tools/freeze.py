@@ -25,7 +25,7 @@ def _frozen_class(bn: nn.Module) -> type[FrozenBatchNorm]:
     return FrozenBatchNorm  # SyncBatchNorm and other rank-agnostic BatchNorms
 
 
-def freeze_batchnorm(model: nn.Module) -> nn.Module:
+def freeze_batchnorm(model: nn.Module, *, where=None) -> nn.Module:
     """A copy of ``model`` whose BatchNorm layers are FrozenBatchNorm (eval behaviour, fixed).
 
     Every torch or normkit BatchNorm (SyncBatchNorm and BatchRenorm included) becomes a
@@ -36,7 +36,8 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
     layer (an ``nn.Sequential`` of the two). Raises ValueError when the model holds no
     BatchNorm, or one without running statistics, or a subclass of torch's BatchNorm with
     a forward of its own (timm's ``BatchNormAct2d``: freezing it would drop its
-    activation).
+    activation). ``where(name, module) -> bool`` selects the layers (default: every
+    BatchNorm), e.g. to leave such subclasses out.
 
     Example:
         >>> import torch, normkit
@@ -45,13 +46,17 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
         >>> type(frozen[1]).__name__, len(list(frozen.parameters()))
         ('FrozenBatchNorm2d', 2)
     """
-    def match(module):
-        return isinstance(module, nn.modules.batchnorm._BatchNorm)
+    def match(name, module):
+        return isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+            where is None or bool(where(name, module)))
 
-    refuse_own_forwards(model, match, "freeze_batchnorm")
+    refuse_own_forwards(model, match, "freeze_batchnorm", with_names=True,
+                        hint="; leave them out with where=")
     return replace_modules(
-        model, match, lambda bn: keep_activation(bn, _frozen_class(bn).from_batchnorm(bn)),
-        "BatchNorm layers", tool="freeze_batchnorm")
+        model, match,
+        lambda name, bn: keep_activation(bn, _frozen_class(bn).from_batchnorm(bn)),
+        "BatchNorm layers" + ("" if where is None else " selected by where"),
+        with_names=True, tool="freeze_batchnorm")
 
 
 def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
