@@ -295,7 +295,7 @@ def convert_sync_batchnorm(model: nn.Module, process_group=None, *, where=None) 
                 and (where is None or bool(where(name, module))))
 
     refuse_own_forwards(model, match, "convert_sync_batchnorm", with_names=True,
-                        hint="; leave them out with where=")
+                        hint="; leave them out with normkit.convert_sync_batchnorm(..., where=...)")
     return replace_modules(model, match, lambda name, bn: keep_activation(bn, build(bn)),
                            "BatchNorm layers" + ("" if where is None else " selected by where"),
                            with_names=True, tool="convert_sync_batchnorm")

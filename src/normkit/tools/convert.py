@@ -251,7 +251,7 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
         return is_norm_layer(module) and bool(selected(name, module))
 
     refuse_own_forwards(model, match, "convert_norms", with_names=True,
-                        hint="; leave them out with where=")
+                        hint="; leave them out with normkit.convert_norms(..., where=...)")
 
     def build(name, source):
         act = activation_of(source)

@@ -51,7 +51,7 @@ def freeze_batchnorm(model: nn.Module, *, where=None) -> nn.Module:
             where is None or bool(where(name, module)))
 
     refuse_own_forwards(model, match, "freeze_batchnorm", with_names=True,
-                        hint="; leave them out with where=")
+                        hint="; leave them out with normkit.freeze_batchnorm(..., where=...)")
     return replace_modules(
         model, match,
         lambda name, bn: keep_activation(bn, _frozen_class(bn).from_batchnorm(bn)),
