@@ -12,6 +12,8 @@ same process (median of round-robin rounds), checks normkit's output against flo
 and prints a Markdown table: ms and torch time / normkit time (> 1: normkit faster)::
 
     PYTHONPATH=src python benchmarks/outlier_rows.py --threads 1
+    PYTHONPATH=src python benchmarks/outlier_rows.py --offset-samples 2 4 8 16 \
+        --scale 1 --shift 3   # many samples a little off: where the repair stops paying
 
 Run it with ``PYTHONPATH`` at an older checkout's ``src`` for the before/after. Figures
 for reading, not asserting: one machine, one run.
@@ -72,14 +74,15 @@ class _PermutedLayerNorm(nn.LayerNorm):
         return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
-def measure(name: str, outlier: bool, rounds: int) -> dict[str, dict[str, float]]:
-    """``{pass: {"torch": ms, "normkit": ms}}`` at the current thread count.
+def measure(name: str, offset: int, rounds: int, scale: float = 0.01,
+            shift: float = 3000.0) -> dict[str, dict[str, float]]:
+    """``{pass: {"torch": ms, "normkit": ms}}`` at the current thread count, with the first
+    ``offset`` samples made ``x * scale + shift`` (0: a clean batch).
 
     Raises AssertionError when normkit's output is not within 1e-5 of float64's."""
     shape, make_torch, make_normkit, reference = CASES[name]
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    if outlier:
-        x[0] = x[0] * 0.01 + 3000.0
+    x[:offset] = x[:offset] * scale + shift
     if "channels_last" in name:
         x = x.contiguous(memory_format=torch.channels_last)
     modules = {"torch": make_torch(), "normkit": make_normkit()}
@@ -98,15 +101,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--cases", nargs="+", default=list(CASES), metavar="CASE",
                         help="case names (default: all)")
+    parser.add_argument("--offset-samples", type=int, nargs="+", default=[1], metavar="K",
+                        help="how many samples to offset, each count its own row (default: 1)")
+    parser.add_argument("--scale", type=float, default=0.01,
+                        help="offset samples are x * scale + shift (default: 0.01)")
+    parser.add_argument("--shift", type=float, default=3000.0, help="(default: 3000)")
     args = parser.parse_args()
     print("| threads | layer | batch | pass | torch ms | normkit ms | torch / normkit |")
     print("|---:|---|---|---|---:|---:|---:|")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name in args.cases:
-            for outlier in (False, True):
-                batch = "one outlier row" if outlier else "clean"
-                for label, ms in measure(name, outlier, args.rounds).items():
+            for offset in (0, *args.offset_samples):
+                batch = ("clean" if offset == 0 else "one outlier row" if offset == 1
+                         else f"{offset} outlier rows")
+                for label, ms in measure(name, offset, args.rounds, args.scale,
+                                         args.shift).items():
                     print(f"| {threads} | {name} | {batch} | {label} | {ms['torch']:.3f} | "
                           f"{ms['normkit']:.3f} | {ms['torch'] / ms['normkit']:.2f}x |",
                           flush=True)
