@@ -455,10 +455,13 @@ def instance_norm(
             fast = native.instance_norm(input.contiguous(), weight, bias, eps, stats)
             if fast is not None:
                 fast = (fast[0].contiguous(memory_format=layout), *fast[1:])
-        if fast is None and layout is not None:
-            # channels-last input past every fast path: the compensated core on an NCHW
-            # copy, the bits the per-channel repair of the paths above gives such
-            # channels (so a sample's result does not depend on the batch around it)
+        if fast is None and layout is not None and input.numel() < channels.MIN_ELEMENTS:
+            # small channels-last input past every fast path: the compensated core on an
+            # NCHW copy, the bits the per-channel repair of the paths above gives such
+            # channels (so a sample's result does not depend on the batch around it).
+            # Larger input keeps it on its own layout: on the copy, batches with a quarter
+            # to half of their samples off center ran forward at 0.92-1.08x torch's time
+            # against 1.37-1.86x (RESULTS.md, "Many samples a little off center")
             y, mean, var = normalize(input.contiguous(), dims, affine_view(weight, view),
                                      affine_view(bias, view), eps)
             fast = y.contiguous(memory_format=layout), mean, var
