@@ -80,16 +80,14 @@ RATIO = 2.0
 #: Largest share of a call's groups that InstanceNorm and GroupNorm renormalize one by one
 #: when they are past :data:`RATIO` (:func:`group_moments`); past it the caller's path for
 #: the whole call serves (an NCHW copy through torch's kernels, or the compensated core),
-#: which then costs less than the repair's gathers, compensated passes and scatters. Torch
-#: time / normkit time, 32x64x28x28 channels-last, one thread, k of 32 samples at 3 std
-#: off zero (every group of theirs past the bound), three alternated runs of the whole
-#: fallback (``5ecc139``) and the repair, fwd / fwd+bwd: GroupNorm k=2 0.54-0.57 ->
-#: 1.00-1.15 / 0.97-1.06 -> 0.72-1.08, k=4 0.28-0.64 -> 0.88-0.95 / 0.74-1.08 -> 0.83-0.98,
-#: k=8 0.56-0.58 -> 0.68-0.79 / 1.02-1.07 -> 0.51-0.55; InstanceNorm k=4 1.54-1.69 ->
-#: 1.44-2.36 / 0.39-0.41 -> 0.72-0.83, k=8 1.56-1.60 -> 1.17-1.47 / 0.41-0.44 -> 0.58-0.69;
-#: GroupNormAct k=8 0.59-0.63 -> 0.72-0.84 / 0.46-0.64 -> 0.67-0.87; at k=16 all three
-#: lose (GroupNorm fwd+bwd 0.73-1.06 -> 0.26-0.35). So 1/8: GroupNorm's fallback is the
-#: cheap one.
+#: which then costs less than the repair's copies, compensated passes and scatters.
+#: ``benchmarks/outlier_rows.py --offset-samples 2 4 8 16 --scale 1 --shift 3`` (k of 32
+#: samples at 3 std off zero, 32x64x28x28 channels-last, one thread; RESULTS.md, "Many
+#: samples a little off center"), torch time / normkit time, whole-call path -> repair:
+#: GroupNorm fwd 0.57-0.65x -> 0.91-1.20x at 2-4 samples, fwd+bwd about even there (its
+#: whole-call path is the cheap one); InstanceNorm and GroupNormAct fwd+bwd 0.42-0.64x ->
+#: 0.58-0.85x at 2-4; at a quarter of the samples and more every layer loses or ties. So
+#: 1/8.
 REPAIR_MAX_SHARE = 1 / 8
 #: Fewest positions per slice, and fewest elements, for which the engine pays off. It
 #: runs ~40 small ATen calls per forward and backward (~0.1 ms on one CPU thread), so

@@ -292,8 +292,10 @@ class RowRepair:
         """``(samples, local)``: the samples holding repaired rows, and each repaired
         row's index among the rows of those samples laid out by :meth:`_sample_rows`.
         Strided rows are read and written a whole sample at a time -- one copy of those
-        samples into a layout whose ``(M, k)`` rows they are, and back: advanced indexing
-        of the strided rows themselves was 4x slower."""
+        samples into a layout whose ``(M, k)`` rows they are, and back: with advanced
+        indexing of the strided rows themselves, a channels-last GroupNorm step
+        (32x64x28x28, two samples repaired, one thread, ``torch.profiler``) took 12.5 ms
+        against 10.3 ms so."""
         if self._by_sample is None:
             inner = self.groups if not self.positions else self._length
             samples, inverse = torch.unique(self.bad // inner, return_inverse=True)
@@ -1849,12 +1851,12 @@ def group_norm_with_stats(x: Tensor, num_groups: int, weight: Tensor | None,
 
 #: Largest share of the positions that :func:`layer_norm2d_nchw` renormalizes one by one
 #: when they are past its bound (:class:`RowRepair`); past it ``None``: torch's LayerNorm
-#: on a channels-innermost copy (its row repair on flat rows costs less). Torch time /
-#: normkit time, 32x64x28x28, one thread, k of 32 samples at 10 std off zero over the
-#: channels, two alternated runs of the whole fallback (``5ecc139``) and the repair, fwd /
-#: fwd+bwd: k=1 0.12-0.44 -> 0.93-0.96 / 1.07-1.11 -> 0.85-1.10, k=2 0.42-0.43 ->
-#: 0.88-0.89 / 0.70-0.71 -> 0.73-0.87, k=4 0.40-0.43 -> 0.75 / 0.86-0.88 -> 0.63, k=8
-#: 0.39-0.41 -> 0.57-0.58 / 0.71-0.72 -> 0.52-0.67. So 1/16.
+#: on a channels-innermost copy (its row repair on flat rows costs less).
+#: ``benchmarks/outlier_rows.py --cases "LayerNorm2d NCHW 32x64x28x28" --offset-samples 1
+#: 2 4 8 --scale 0.1 --shift 1`` (RESULTS.md, "Many samples a little off center"), torch
+#: time / normkit time, the copy path -> the repair: 1-2 of 32 samples fwd 0.39-0.42x ->
+#: 0.79-0.94x, fwd+bwd 0.69-0.80x -> 0.57-0.83x (even); in scratch runs at 4 samples
+#: fwd+bwd 0.86-0.88x -> 0.63x. So 1/16.
 LAYER_NORM2D_REPAIR_MAX_SHARE = 1 / 16
 #: Fewest elements for which :func:`layer_norm2d_nchw` pays off (it loops over the batch).
 LAYER_NORM2D_MIN_ELEMENTS = 1 << 16
