@@ -62,3 +62,36 @@ def not_a_model() -> int:
         3
     """
     return 3
+
+
+class OwnRMSNorm(nn.Module):
+    """A norm of a model's own class, as Hugging Face's ``LlamaRMSNorm``; ``plus_one``
+    scales by ``1 + weight`` as ``GemmaRMSNorm`` does (weight 0 is the identity scale).
+
+    Example:
+        >>> OwnRMSNorm(4)(torch.ones(2, 4))
+        tensor([[1.0000, 1.0000, 1.0000, 1.0000],
+                [1.0000, 1.0000, 1.0000, 1.0000]], grad_fn=<MulBackward0>)
+    """
+
+    def __init__(self, dim: int, plus_one: bool = False) -> None:
+        super().__init__()
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1 + self.weight if self.plus_one else self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+
+
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """A LayerNorm over dim 1 of ``(N, C, H, W)`` written as a subclass of torch's, as
+    timm's ``LayerNorm2d`` and Hugging Face's ``ConvNextLayerNorm`` are.
+
+    Example:
+        >>> ChannelsFirstLayerNorm(3)(torch.randn(2, 3, 4, 4)).shape
+        torch.Size([2, 3, 4, 4])
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)

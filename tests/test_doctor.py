@@ -205,6 +205,44 @@ def test_a_failing_analysis_never_breaks_the_run(monkeypatch):
     assert report.ok and codes(report) == ["analysis-failed"]
 
 
+def test_norms_of_the_models_own_classes_are_reported_and_checked_for_nan():
+    """Hugging Face's LlamaRMSNorm, T5LayerNorm, GemmaRMSNorm are classes of their own:
+    the doctor reports them (it said "no normalization layer" for a Llama), names them in
+    one info, catches NaN there, and judges no gamma (Gemma's scale is 1 + weight)."""
+    own = doctor_models.OwnRMSNorm
+    model = nn.Sequential(nn.Linear(4, 8), own(8), nn.Linear(8, 8), own(8, plus_one=True),
+                          nn.Linear(8, 2))
+    x = torch.randn(16, 4)
+    report = doctor(model, x)
+    assert [(layer.name, layer.family, layer.statistics, layer.gamma)
+            for layer in report.layers] == [("1", "own", "unknown", None),
+                                            ("3", "own", "unknown", None)]
+    assert codes(report) == ["own-norm-layers"]  # no zero-init-gamma for the 1 + 0 scale
+    w = finding(report, "own-norm-layers")
+    assert w.severity == "info" and w.layers == ("1", "3")
+    assert "2 OwnRMSNorm" in w.message and "normkit.RMSNorm" in w.remedy
+    table = report.render()
+    assert "| OwnRMSNorm | train | unknown |           - |" in table
+    x[2, 1] = float("nan")
+    report = doctor(model, x)
+    assert finding(report, "nonfinite-input").layer == "1"
+    with torch.no_grad():
+        model[3].weight[0] = float("inf")
+    report = doctor(model, torch.randn(16, 4))
+    assert finding(report, "invalid-state").layer == "3"
+    # a wrapper named "...Norm..." (lucidrains' PreNorm) is not a norm layer itself
+    class PreNorm(nn.Module):
+        def __init__(self, dim, fn):
+            super().__init__()
+            self.norm, self.fn = nn.LayerNorm(dim), fn
+
+        def forward(self, x):
+            return self.fn(self.norm(x))
+
+    report = doctor(PreNorm(4, nn.Linear(4, 4)), torch.randn(16, 4))
+    assert [layer.name for layer in report.layers] == ["norm"] and report.warnings == []
+
+
 # --------------------------------------------------------------------------- statistics
 
 
@@ -220,6 +258,10 @@ def test_a_failing_analysis_never_breaks_the_run(monkeypatch):
     (normkit.FrozenBatchNorm2d(6), (5, 6, 4, 3), 60, 1),
     (normkit.MeanOnlyBatchNorm2d(6), (5, 6, 4, 3), 60, 1),
     (normkit.BatchRenorm2d(6), (5, 6, 4, 3), 60, 1),
+    # timm's LayerNorm2d, HF's ConvNextLayerNorm: channels along dim 1, not the last
+    (doctor_models.ChannelsFirstLayerNorm(6), (5, 6, 4, 3), 6, 1),
+    # a norm of the model's own class: values per statistic unknown (0), no gamma
+    (doctor_models.OwnRMSNorm(6), (5, 7, 6), 0, -1),
 ])
 def test_statistics_match_direct_computation(module, shape, values, axis):
     gen = torch.Generator().manual_seed(0)
@@ -250,7 +292,7 @@ def test_statistics_match_direct_computation(module, shape, values, axis):
         assert stats.channel_std_max == pytest.approx(float(stds.max()), rel=1e-5)
         assert stats.nonfinite == 0 and stats.numel == t.numel()
     weight = getattr(module, "weight", None)
-    if weight is None:
+    if weight is None or layer.family == "own":
         assert layer.gamma is None
     else:
         assert layer.gamma.min_abs == pytest.approx(0.5) and layer.gamma.collapsed == 0

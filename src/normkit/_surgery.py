@@ -9,7 +9,12 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 __all__ = ["check_initialized", "replace_modules", "move_parametrizations",
-           "refuse_own_forwards", "activation_of", "activation_module", "keep_activation"]
+           "refuse_own_forwards", "activation_of", "activation_module", "keep_activation",
+           "is_own_norm"]
+
+#: torch's normalization classes (and their subclasses): not "a norm class of its own"
+_TORCH_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm,
+                nn.LocalResponseNorm, nn.CrossMapLRN2d)
 
 
 def _layer_class(module: nn.Module) -> type:
@@ -17,6 +22,31 @@ def _layer_class(module: nn.Module) -> type:
     a ``Parametrized<Class>`` made for it) the class it was made from."""
     cls = type(module)
     return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
+
+
+def is_own_norm(module: nn.Module) -> bool:
+    """Whether ``module`` looks like a normalization layer of a model's own class: a leaf
+    module whose class name contains "norm" (Hugging Face's ``LlamaRMSNorm``,
+    ``T5LayerNorm``), defined neither in torch nor in normkit nor as a subclass of torch's
+    norms, with no weight or a 1-D one (a ``NormalizedLinear``'s 2-D weight is a layer's).
+
+    Example:
+        >>> import torch
+        >>> class MyRMSNorm(nn.Module):
+        ...     def __init__(self, d):
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.ones(d))
+        >>> MyRMSNorm.__module__ = "mymodels"  # (a doctest's is this module's)
+        >>> is_own_norm(MyRMSNorm(4)), is_own_norm(nn.LayerNorm(4)), is_own_norm(nn.Linear(2, 2))
+        (True, False, False)
+    """
+    cls = _layer_class(module)
+    weight = getattr(module, "weight", None)
+    return ("norm" in cls.__name__.lower()
+            and not cls.__module__.startswith(("torch.", "normkit."))
+            and not isinstance(module, _TORCH_NORMS)
+            and next(module.children(), None) is None
+            and (weight is None or (hasattr(weight, "dim") and weight.dim() <= 1)))
 
 
 def refuse_own_forwards(model: nn.Module, match: Callable[..., bool], tool: str,

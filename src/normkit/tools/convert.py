@@ -23,6 +23,7 @@ from .._surgery import (
     _layer_class,
     activation_module,
     activation_of,
+    is_own_norm,
     keep_activation,
     move_parametrizations,
     refuse_own_forwards,
@@ -359,14 +360,12 @@ def _subclassed_norms(model: nn.Module) -> dict[str, int]:
 
 
 def _own_norm_classes(model: nn.Module) -> dict[str, int]:
-    """``{class name: count}`` of layers that look like norms by name (``...Norm...``,
-    a Hugging Face ``LlamaRMSNorm``) but are neither torch's nor normkit's classes."""
+    """``{class name: count}`` of layers that look like norms of the model's own class
+    (:func:`~normkit._surgery.is_own_norm`: a Hugging Face ``LlamaRMSNorm``)."""
     found: dict[str, int] = {}
     for module in model.modules():
-        cls = type(module)
-        if ("norm" in cls.__name__.lower() and not cls.__module__.startswith(("torch.",
-                                                                             "normkit."))
-                and not isinstance(module, tuple(_DROP_INS))):
+        if is_own_norm(module):
+            cls = type(module)
             name = f"{cls.__module__}.{cls.__qualname__}"
             found[name] = found.get(name, 0) + 1
     return found

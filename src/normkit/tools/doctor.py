@@ -2,7 +2,9 @@
 
 The doctor runs the model **once** with hooks on every normalization layer (torch's
 and normkit's BatchNorm, SyncBatchNorm, BatchRenorm, FrozenBatchNorm, MeanOnlyBatchNorm,
-LayerNorm, LayerNorm2d, RMSNorm, GroupNorm, InstanceNorm) and reports, per layer, what
+LayerNorm, LayerNorm2d, RMSNorm, GroupNorm, InstanceNorm; norm layers of the model's
+own classes, such as Hugging Face's ``LlamaRMSNorm``, are reported and checked for
+NaN/Inf only) and reports, per layer, what
 the layer saw and did: its mode, the number of values each statistic is computed over
 at this batch, the statistics of its input and output, how far BatchNorm's running
 statistics are from the batch's, and its affine ``gamma``. It turns what it sees into
@@ -46,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import _stats
+from .._surgery import is_own_norm
 from ..norms.batch import (
     BatchRenorm1d,
     BatchRenorm2d,
@@ -104,13 +107,15 @@ CODES: dict[str, tuple[str, str]] = {
     "zero-init-gamma": ("info", "every gamma exactly 0: the zero-init-residual start"),
     "cumulative-momentum": ("info", "BatchNorm with momentum=None in training"),
     "batch-stats-in-eval": ("info", "BatchNorm without running statistics in eval mode"),
+    "own-norm-layers": ("info", "norm layers of the model's own classes: only checked for "
+                                "NaN/Inf"),
     "no-norm-layers": ("info", "the model has no normalization layer"),
     "analysis-failed": ("info", "the doctor could not analyse a layer call"),
 }
 
 # codes that describe the whole model: one finding listing every layer
 _MODEL_WIDE = ("small-batch", "train-under-no-grad", "cumulative-momentum",
-               "batch-stats-in-eval", "zero-init-gamma")
+               "batch-stats-in-eval", "zero-init-gamma", "own-norm-layers")
 _SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
 # (classes, family, how the statistics are taken); the first match wins
@@ -140,6 +145,8 @@ def _kind(module: nn.Module) -> tuple[str, str] | None:
     for classes, family, kind in _KINDS:
         if isinstance(module, classes):
             return family, kind
+    if is_own_norm(module):  # a Hugging Face LlamaRMSNorm, T5LayerNorm, ...
+        return "own", "own"
     return None
 
 
@@ -147,7 +154,9 @@ def norm_family(module: nn.Module) -> str | None:
     """The family the doctor files ``module`` under, or ``None`` for a non-norm module.
 
     Families: ``bn``, ``syncbn``, ``batchrenorm``, ``frozenbn``, ``meanonly``, ``ln``,
-    ``ln2d``, ``rms``, ``gn``, ``in``.
+    ``ln2d``, ``rms``, ``gn``, ``in``, and ``own`` for a norm of the model's own class
+    (:func:`normkit._surgery.is_own_norm`: Hugging Face's ``LlamaRMSNorm``), whose
+    statistics and affine convention the doctor cannot know.
 
     Example:
         >>> import torch, normkit
@@ -405,7 +414,8 @@ class LayerReport:
             batch: ``N*H*W`` per channel for BatchNorm (what the batch statistics compared
             with the running ones are computed over in eval), the normalized numel for
             LayerNorm/RMSNorm, ``C`` for LayerNorm2d, ``C/G*H*W`` for GroupNorm, ``H*W``
-            for InstanceNorm.
+            for InstanceNorm; 0 (unknown) for a norm of the model's own class (family
+            ``own``).
         input, output: :class:`TensorStats` (``output`` is ``None`` when the layer raised).
         running: :class:`RunningCheck` for layers with running statistics, else ``None``.
         gamma: :class:`GammaStats` for layers with an affine ``weight``, else ``None``.
@@ -524,7 +534,8 @@ def _row(layer: LayerReport) -> tuple[str, ...]:
     if layer.calls > 1:
         name += f" ({layer.calls} calls)"
     return (name, layer.type, layer.mode, layer.statistics,
-            str(layer.values_per_stat), _fmt(get(layer.input, "mean")),
+            "-" if layer.family == "own" else str(layer.values_per_stat),
+            _fmt(get(layer.input, "mean")),
             _fmt(get(layer.input, "std")), _fmt(get(layer.output, "mean")),
             _fmt(get(layer.output, "std")), _fmt(get(layer.running, "mean_shift_rms")),
             _fmt(get(layer.running, "var_ratio_gmean")), _fmt(get(layer.gamma, "min_abs")))
@@ -823,7 +834,15 @@ def _layout(module: nn.Module, kind: str, x: Tensor) -> tuple[int, int]:
     if kind == "ln2d":
         return shape[1], 1
     if kind == "trailing":
-        return math.prod(module.normalized_shape), nd - 1
+        shape_ = tuple(module.normalized_shape)
+        if (tuple(shape[nd - len(shape_):]) != shape_ and len(shape_) == 1 and nd >= 3
+                and shape[1] == shape_[0]):
+            return shape_[0], 1  # a subclass normalizing dim 1 (timm's LayerNorm2d)
+        return math.prod(shape_), nd - 1
+    if kind == "own":  # values unknown (0); channels along the weight's dim
+        weight = getattr(module, "weight", None)
+        size = weight.numel() if isinstance(weight, Tensor) else None
+        return 0, 1 if nd >= 2 and size != shape[-1] and size == shape[1] else nd - 1
     if kind == "group":
         return shape[1] // module.num_groups * _stats.reduced_count(shape, range(2, nd)), 1
     start = 1 if _unbatched(module, x) else 2  # instance norm
@@ -831,6 +850,8 @@ def _layout(module: nn.Module, kind: str, x: Tensor) -> tuple[int, int]:
 
 
 def _statistics(module: nn.Module, family: str) -> str:
+    if family == "own":
+        return "unknown"
     has_running = getattr(module, "running_mean", None) is not None
     if family == "frozenbn":
         return "running"
@@ -869,7 +890,7 @@ def _measure(name: str, module: nn.Module, family: str, kind: str, x: Tensor) ->
             statistics=_statistics(module, family), grad_enabled=grad,
             input_shape=tuple(x.shape), batch=x.shape[0] if x.dim() >= 2 else 1,
             values=values, axis=axis, input=TensorStats.of(x, axis), running=running,
-            gamma=GammaStats.of(getattr(module, "weight", None)),
+            gamma=None if family == "own" else GammaStats.of(getattr(module, "weight", None)),
             invalid=_invalid_state(module), momentum=getattr(module, "momentum", 0.1))
 
 
@@ -1186,6 +1207,9 @@ def doctor(
     * ``collapsed-gamma``: ``|gamma| <`` :data:`COLLAPSED_GAMMA` (§5.1: gamma = 1, beta = 0);
       every gamma exactly 0 is ``zero-init-gamma`` instead (info: the zero-init-residual
       start of torchvision's and timm's ResNets).
+    * ``own-norm-layers``: norm layers of the model's own classes (Hugging Face's
+      ``LlamaRMSNorm``, :func:`normkit._surgery.is_own_norm`) are reported and checked for
+      NaN/Inf only; their values per statistic and gamma are left out (unknown).
     * ``cumulative-momentum``, ``batch-stats-in-eval``, ``no-norm-layers``: information.
 
     Args:
@@ -1254,6 +1278,22 @@ def doctor(
         _restore(saved)
         for module, training in modes:
             module.training = training
+    own = [layer for layer in run.layers.values() if layer.family == "own"]
+    if own:
+        classes: dict[str, int] = {}
+        for layer in own:
+            classes[layer.type] = classes.get(layer.type, 0) + 1
+        listed = ", ".join(f"{count} {name}" for name, count in sorted(classes.items()))
+        for layer in own:
+            run._add(layer.name, "own-norm-layers",
+                     f"{len(own)} norm layer(s) of the model's own classes ({listed}): the "
+                     "doctor reports their input and output and checks them for NaN/Inf, "
+                     "but cannot know how they compute their statistics or use their weight "
+                     "(Gemma's RMSNorm scales by 1 + weight), so it checks neither gamma nor "
+                     "batch statistics there",
+                     "build those layers from normkit's classes (normkit.RMSNorm, "
+                     "normkit.LayerNorm, normkit.LayerNorm2d, ... take torch's arguments; "
+                     "keep their eps) for every check")
     if not norms:
         run._add("", "no-norm-layers",
                  "the model has no normalization layer the doctor recognizes (torch or "
