@@ -50,9 +50,14 @@ def test_every_channels_first_family_keeps_its_dimension():
         assert tuple(type(converted[i]) for i in (1, 4, 5)) == classes, to
         assert converted(x).shape == net(x).shape
     # (InstanceNorm2d's default affine=False: the converted layers say what they drop)
-    with pytest.warns(UserWarning, match="has no place for the .*weight and bias; dropped"):
+    with pytest.warns(UserWarning, match=r"has no place for the .*weight and bias; dropped "
+                                         r"\(pass affine=True to convert_norms to keep them\)"):
         converted = normkit.convert_norms(net, "in", where=(nn.BatchNorm2d, nn.InstanceNorm2d))
     assert type(converted[1]) is normkit.InstanceNorm2d
+    with warnings.catch_warnings():  # following the advice keeps them, silently
+        warnings.simplefilter("error")
+        kept = normkit.convert_norms(net, "in", where=nn.BatchNorm2d, affine=True)
+    torch.testing.assert_close(kept[1].weight, net[1].weight)
     with pytest.raises(ValueError, match="rank is unknown"), pytest.warns(UserWarning):
         normkit.convert_norms(net, "in")  # the GroupNorm's input rank is unknown
     ln = normkit.convert_norms(net, "ln")
@@ -64,7 +69,7 @@ def test_layer_norm_to_rms_norm_warns_about_the_dropped_bias():
     net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
     with torch.no_grad():
         net[1].bias.fill_(0.5)
-    with pytest.warns(UserWarning, match="bias"):
+    with pytest.warns(UserWarning, match="bias; dropped$"):  # (RMSNorm has no bias to ask)
         converted = normkit.convert_norms(net, "rms")
     assert isinstance(converted[1], normkit.RMSNorm)
     torch.testing.assert_close(converted[1].weight, net[1].weight)
@@ -305,3 +310,38 @@ def test_patch_names_a_models_own_norm_classes():
     net = nn.Sequential(nn.Linear(4, 8), MyRMSNorm(8), nn.Linear(8, 8), MyRMSNorm(8))
     with pytest.raises(ValueError, match=r"2 test_convert\.MyRMSNorm.*normkit\.RMSNorm"):
         normkit.patch(net)
+
+
+@pytest.mark.parametrize("layers, to, expected", [
+    # a MobileViT: BatchNorm2d in the convolutions, LayerNorm in the attention blocks
+    ((nn.BatchNorm2d(4), nn.LayerNorm(4)), "gn", "where=torch.nn.BatchNorm2d"),
+    # normkit's BatchNorm2d is selected by torch's class, its parent
+    ((nn.BatchNorm2d(4), normkit.BatchNorm2d(4), nn.LayerNorm(4)), "in",
+     "where=torch.nn.BatchNorm2d"),
+    ((normkit.BatchNorm2d(4), nn.LayerNorm(4)), "gn", "where=normkit.BatchNorm2d"),
+    # LayerNorm2d subclasses LayerNorm but cannot become RMSNorm: exact types
+    ((nn.LayerNorm(4), normkit.LayerNorm2d(4)), "rms",
+     "where=lambda name, m: type(m) is torch.nn.LayerNorm"),
+    ((nn.LayerNorm(4), normkit.LayerNorm2d(4), normkit.RMSNorm(4)), "rms",
+     "where=lambda name, m: type(m) in (torch.nn.LayerNorm, normkit.RMSNorm)"),
+    ((nn.LayerNorm(4), nn.LayerNorm(4)), "gn", None),  # nothing can: no advice
+])
+def test_a_model_of_both_layouts_is_told_which_where_converts(layers, to, expected):
+    """Converting every norm of a model that holds both layouts fails on the first layer
+    that cannot become ``to``; the error gives the ``where=`` that selects exactly the
+    layers that can, and that ``where=`` works."""
+    net = nn.Sequential(*layers)
+    with pytest.raises(ValueError, match="cannot convert") as raised:
+        normkit.convert_norms(net, to)
+    message = str(raised.value)
+    if expected is None:
+        assert "where=" not in message
+        return
+    assert expected in message
+    where = eval(message.split("where=")[1][:-1], {"torch": torch, "normkit": normkit})
+    converted = normkit.convert_norms(net, to, where=where)
+    assert message.split("; ")[-1].startswith(f"{len(layers) - 1} of its norm layers")
+    target = type(normkit.get_norm_layer(to, 4))
+    kept = [(type(a), type(b)) for a, b in zip(net, converted, strict=True)
+            if not isinstance(b, target)]
+    assert len(kept) == 1 and kept[0][0] is kept[0][1]  # the one that cannot, as it was

@@ -191,6 +191,51 @@ def test_untraceable_model_folds_sequential_neighbours_or_what_a_run_records():
     assert report.method == "recorded run"
 
 
+class KeywordOnly(nn.Module):
+    """A Hugging Face-style model: keyword input (``pixel_values``), data-dependent
+    control flow (untraceable), conv-BN pairs outside any nn.Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(3 if i == 0 else 4, 4, 3, padding=1)
+                                   for i in range(4))
+        self.norms = nn.ModuleList(nn.BatchNorm2d(4) for _ in range(4))
+
+    def forward(self, *, pixel_values, scale: float = 1.0):
+        x = pixel_values * scale
+        for conv, norm in zip(self.convs, self.norms):
+            x = torch.relu(norm(conv(x))) if x.sum() > -1e9 else x
+        return x
+
+
+def test_keyword_example_inputs_record_an_untraceable_forward():
+    """Hugging Face models take keyword inputs and rarely trace: a mapping records the
+    run (as doctor and update_bn_stats take it); the warning names each reason once."""
+    torch.manual_seed(4)
+    model = KeywordOnly().double()
+    with torch.no_grad():
+        for _ in range(3):
+            model(pixel_values=torch.randn(8, 3, 6, 6, dtype=torch.float64) * 2 + 1)
+    for norm in model.norms:
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(3, 3, 6, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="nothing to fold") as caught:
+        _, report = fold_batchnorm(model, return_report=True)
+    message = str(caught[0].message)
+    assert "norms.0, norms.1, norms.2 and 1 more: the model is not traceable" in message
+    assert message.count("not traceable") == 1 and len(report.skipped) == 4
+    folded, report = fold_batchnorm(model, {"pixel_values": x, "scale": 2.0},
+                                    return_report=True)
+    assert report.method == "recorded run" and len(report.folded) == 4, str(report)
+    with torch.no_grad():
+        expected = copy.deepcopy(model).eval()(pixel_values=x)
+        assert _error(folded(pixel_values=x), expected) <= TOL[torch.float64]
+    with pytest.raises(ValueError, match=r"model\(\*\*example_inputs\) for a mapping"):
+        fold_batchnorm(model, {"images": x})
+
+
 class SharedOutput(nn.Module):
     """The conv output feeds the BN and a skip connection: not foldable."""
 
@@ -440,8 +485,9 @@ def test_report_text_and_bad_arguments():
         "(BatchNorm2d)"]
     with pytest.raises(TypeError, match="expected an eager torch.nn.Module, got a Tensor"):
         fold_batchnorm(torch.zeros(1))
-    with pytest.raises(TypeError, match="example_inputs to be a tensor or a tuple"):
-        fold_batchnorm(model, example_inputs={"x": torch.zeros(1)})
+    with pytest.raises(TypeError, match="example_inputs to be a tensor, a tuple of positional "
+                                        "inputs or a mapping of keyword inputs, got set"):
+        fold_batchnorm(model, example_inputs={torch.zeros(1)})
     w = torch.randn(6, 4, 3, 3)
     with pytest.raises(ValueError, match=r"running_mean of shape \(6,\).*got shape \(5,\)"):
         fold_bn_weights(w, None, torch.zeros(5), torch.ones(6), 1e-5)

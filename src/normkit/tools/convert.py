@@ -259,7 +259,14 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
         if isinstance(source, (nk_fused.AddLayerNorm, nk_fused.AddRMSNorm)):
             target = _residual_target(to, source, name)(_channels(source), **kwargs)
         elif isinstance(to, str):
-            target = _target_factory(to, source, name)(_channels(source), **kwargs)
+            try:
+                factory = _target_factory(to, source, name)
+            except ValueError as error:  # a model of both layouts: say how to select
+                hint = _convertible_hint(model, to, match) if where is None else ""
+                if hint:
+                    raise ValueError(f"{error}{hint}") from None
+                raise
+            target = factory(_channels(source), **kwargs)
         else:  # a class, partial or callable: the registry knows GroupNorm's argument order
             target = get_norm_layer(to, _channels(source), **kwargs)
         ref = next(iter(source.parameters()), next(iter(source.buffers()), None))
@@ -267,9 +274,13 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
             target = target.to(device=ref.device, dtype=ref.dtype)
         dropped = _copy_affine(source, target)
         if dropped and not isinstance(target, nn.Identity):  # "none" drops them by request
+            flag = next((attr for attr in ("affine", "elementwise_affine")
+                         if getattr(target, attr, None) is False), None)
+            them = "them" if len(dropped) > 1 else "it"
+            keep = f" (pass {flag}=True to convert_norms to keep {them})" if flag else ""
             warnings.warn(f"convert_norms: {type(target).__name__} at {name!r} has no place "
                           f"for the {type(source).__name__}'s {' and '.join(dropped)}; "
-                          "dropped", stacklevel=5)
+                          f"dropped{keep}", stacklevel=5)
         if parametrize.is_parametrized(source) and not isinstance(target, nn.Identity):
             # (another family's parameters: the constraint may not even apply; say so)
             warnings.warn(f"convert_norms: the parametrizations of the "
@@ -284,6 +295,54 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
     what = "normalization layers" + ("" if where is None else " selected by where")
     return replace_modules(model, match, build, what, with_names=True,
                           tool="convert_norms")
+
+
+def _convertible_hint(model: nn.Module, to: str, match) -> str:
+    """Where some of ``model``'s norm layers can become ``to`` and others cannot (a
+    MobileViT: BatchNorm2d in the convolutions, LayerNorm in the attention blocks): the
+    ``where=`` that selects exactly the ones that can, else ``""``."""
+    can: list[nn.Module] = []
+    cannot: list[nn.Module] = []
+    for name, module in model.named_modules():
+        if not match(name, module):
+            continue
+        try:
+            if isinstance(module, (nk_fused.AddLayerNorm, nk_fused.AddRMSNorm)):
+                _residual_target(to, module, name)
+            else:
+                _target_factory(to, module, name)
+            can.append(module)
+        except ValueError:
+            cannot.append(module)
+    exact = list(dict.fromkeys(_layer_class(module) for module in can))
+    # the fewest classes: a class whose parent is listed is selected by it (normkit's
+    # BatchNorm2d by torch's), unless the parent would also select a layer that cannot
+    parents = [cls for cls in exact if not any(other is not cls and issubclass(cls, other)
+                                               for other in exact)]
+    if not exact:
+        return ""
+    select = None
+    for classes in (parents, exact):
+        if not any(isinstance(m, tuple(classes)) for m in cannot):
+            names = [_spelled(cls) for cls in classes]
+            select = names[0] if len(names) == 1 else f"({', '.join(names)})"
+            break
+    if select is None:  # a subclass of theirs cannot (LayerNorm2d of LayerNorm): exact types
+        names = [_spelled(cls) for cls in exact]
+        select = (f"lambda name, m: type(m) is {names[0]}" if len(names) == 1 else
+                  f"lambda name, m: type(m) in ({', '.join(names)})")
+    return (f"; {len(can)} of its norm layers can become {to!r}: convert only those "
+            f"with normkit.convert_norms(model, {to!r}, where={select})")
+
+
+def _spelled(cls: type) -> str:
+    """How a user writes ``cls``: ``torch.nn.BatchNorm2d``, ``normkit.GroupNormAct``."""
+    import normkit  # (complete by the time a conversion runs)
+
+    for space, prefix in ((nn, "torch.nn"), (normkit, "normkit")):
+        if getattr(space, cls.__name__, None) is cls:
+            return f"{prefix}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _retype(module: nn.Module, cls: type, add_normkit: bool) -> nn.Module:

@@ -26,7 +26,7 @@ import gc
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,6 +188,23 @@ def fold_bn_weights(
 
 def _show(name: str) -> str:
     return name or "<the model itself>"
+
+
+def _reasons_text(skipped: list[tuple[str, str]], shown: int = 3) -> str:
+    """``"a, b and 6 more: reason; c: other reason"``: each reason once, with its layers.
+
+    Example:
+        >>> _reasons_text([("a", "why"), ("b", "why"), ("c", "other")], shown=1)
+        'a and 1 more: why; c: other'
+    """
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in skipped:
+        by_reason.setdefault(reason, []).append(_show(name))
+    parts = []
+    for reason, names in by_reason.items():
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        parts.append(f"{', '.join(names[:shown])}{more}: {reason}")
+    return "; ".join(parts)
 
 
 @dataclass
@@ -622,16 +639,18 @@ class _Recorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _recorded_flow(model: nn.Module, args: tuple) -> _Flow:
-    """Run ``model(*args)`` once and derive each norm's source from what actually ran."""
+def _recorded_flow(model: nn.Module, call: tuple[tuple, dict]) -> _Flow:
+    """Run ``model(*args, **kwargs)`` once and derive each norm's source from what ran."""
     recorder = _Recorder(model)
+    args, kwargs = call
     try:
         with torch.no_grad(), recorder:
-            output = model(*args)
+            output = model(*args, **kwargs)
     except Exception as error:
         raise ValueError(
             "fold_batchnorm expected example_inputs that the eval-mode model accepts "
-            f"(model(*example_inputs)), got an error: {_first_line(error)}") from error
+            "(model(*example_inputs), or model(**example_inputs) for a mapping), got an "
+            f"error: {_first_line(error)}") from error
     finally:
         recorder.remove_hooks()
     gc.collect()
@@ -676,7 +695,7 @@ def _copy(model: nn.Module) -> nn.Module:
         ) from error
 
 
-def _find_flow(model: nn.Module, args: tuple | None) -> _Flow:
+def _find_flow(model: nn.Module, args: tuple[tuple, dict] | None) -> _Flow:
     """Trace a scratch copy; check it against (or fall back to) a recorded run, or Sequentials."""
     scratch = _copy(model)
     graph, stored, trace_error = _trace(scratch)
@@ -697,18 +716,23 @@ def _find_flow(model: nn.Module, args: tuple | None) -> _Flow:
     return flow
 
 
-def _as_args(example_inputs: Any) -> tuple | None:
+def _as_args(example_inputs: Any) -> tuple[tuple, dict] | None:
+    """``(positional, keyword)`` arguments of the recorded call, or ``None``."""
     if example_inputs is None:
         return None
     if isinstance(example_inputs, Tensor):
-        return (example_inputs,)
+        return (example_inputs,), {}
     if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs)
-    raise TypeError("fold_batchnorm expected example_inputs to be a tensor or a tuple of "
-                    f"positional inputs, got {type(example_inputs).__name__}")
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    raise TypeError("fold_batchnorm expected example_inputs to be a tensor, a tuple of "
+                    "positional inputs or a mapping of keyword inputs, got "
+                    f"{type(example_inputs).__name__}")
 
 
-def fold_batchnorm(model: nn.Module, example_inputs: Tensor | tuple | None = None, *,
+def fold_batchnorm(model: nn.Module, example_inputs: Tensor | tuple | Mapping | None = None,
+                   *,
                    return_report: bool = False) -> nn.Module | tuple[nn.Module, FoldReport]:
     """An eval-mode copy of ``model`` with each BatchNorm folded into the layer before it.
 
@@ -754,7 +778,8 @@ def fold_batchnorm(model: nn.Module, example_inputs: Tensor | tuple | None = Non
 
     Args:
         model: the model (any mode; it is copied with ``copy.deepcopy``).
-        example_inputs: a tensor or a tuple of positional inputs the eval model
+        example_inputs: a tensor, a tuple of positional inputs or a mapping of keyword
+            inputs (``{"pixel_values": x}`` for a Hugging Face model) the eval model
             accepts, to record one forward (on another copy, without gradients).
             Default: ``None``.
         return_report: also return the :class:`FoldReport` (keyword-only).
@@ -813,8 +838,7 @@ def fold_batchnorm(model: nn.Module, example_inputs: Tensor | tuple | None = Non
     report = FoldReport(flow.method, folded, [(name, reasons[name]) for name in norms
                                                if name in reasons])
     if not folded:
-        why = ("it has no BatchNorm layers" if not norms else
-               "; ".join(f"{_show(name)}: {reason}" for name, reason in report.skipped))
+        why = "it has no BatchNorm layers" if not norms else _reasons_text(report.skipped)
         warnings.warn(f"fold_batchnorm: nothing to fold in this {type(model).__name__} ({why}); "
                       "returning an eval-mode copy", stacklevel=2)
     return (working, report) if return_report else working
