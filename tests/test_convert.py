@@ -310,6 +310,10 @@ def test_patch_names_a_models_own_norm_classes():
     net = nn.Sequential(nn.Linear(4, 8), MyRMSNorm(8), nn.Linear(8, 8), MyRMSNorm(8))
     with pytest.raises(ValueError, match=r"2 test_convert\.MyRMSNorm.*normkit\.RMSNorm"):
         normkit.patch(net)
+    # convert_norms (and normkit lab compare, built on it) names them too
+    with pytest.raises(ValueError, match=r"without any \(its norm layers are classes of its "
+                                         r"own: 2 test_convert\.MyRMSNorm, which convert_norms"):
+        normkit.convert_norms(net, "ln")
 
 
 @pytest.mark.parametrize("layers, to, expected", [

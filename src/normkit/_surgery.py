@@ -10,7 +10,7 @@ from torch.nn.utils import parametrize
 
 __all__ = ["check_initialized", "replace_modules", "move_parametrizations",
            "refuse_own_forwards", "activation_of", "activation_module", "keep_activation",
-           "is_own_norm"]
+           "is_own_norm", "own_norm_classes", "counted"]
 
 #: torch's normalization classes (and their subclasses): not "a norm class of its own"
 _TORCH_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm,
@@ -47,6 +47,32 @@ def is_own_norm(module: nn.Module) -> bool:
             and not isinstance(module, _TORCH_NORMS)
             and next(module.children(), None) is None
             and (weight is None or (hasattr(weight, "dim") and weight.dim() <= 1)))
+
+
+def own_norm_classes(model: nn.Module) -> dict[str, int]:
+    """``{qualified class name: count}`` of ``model``'s :func:`is_own_norm` layers.
+
+    Example:
+        >>> own_norm_classes(nn.Sequential(nn.LayerNorm(4)))
+        {}
+    """
+    found: dict[str, int] = {}
+    for module in model.modules():
+        if is_own_norm(module):
+            cls = _layer_class(module)
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            found[name] = found.get(name, 0) + 1
+    return found
+
+
+def counted(classes: dict[str, int]) -> str:
+    """``"2 a.B, 1 c.D"``: class names with their counts, sorted by name.
+
+    Example:
+        >>> counted({"x.Norm": 2, "a.RMS": 1})
+        '1 a.RMS, 2 x.Norm'
+    """
+    return ", ".join(f"{count} {name}" for name, count in sorted(classes.items()))
 
 
 def refuse_own_forwards(model: nn.Module, match: Callable[..., bool], tool: str,
@@ -238,6 +264,11 @@ def replace_modules(model: nn.Module, match: Callable[..., bool],
                 setattr(parent, name, call(build, qualified, child))
                 found = True
     if not found:
+        own = own_norm_classes(model)
+        mine = "" if not own else (
+            f" (its norm layers are classes of its own: {counted(own)}, which {tool} does not "
+            "replace; build them from normkit's classes -- normkit.RMSNorm, "
+            "normkit.LayerNorm, ... take torch's arguments -- keeping their eps)")
         raise ValueError(f"expected a model holding {what}, got a {type(model).__name__} "
-                         "without any")
+                         f"without any{mine}")
     return model

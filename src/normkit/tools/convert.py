@@ -23,9 +23,10 @@ from .._surgery import (
     _layer_class,
     activation_module,
     activation_of,
-    is_own_norm,
+    counted,
     keep_activation,
     move_parametrizations,
+    own_norm_classes,
     refuse_own_forwards,
     replace_modules,
 )
@@ -383,22 +384,22 @@ def patch(model: nn.Module) -> nn.Module:
     kept = _subclassed_norms(model)
     what = "torch.nn normalization layers to patch"
     exact = any(_layer_class(m) in _DROP_INS for m in model.modules())
-    own = {} if exact or kept else _own_norm_classes(model)
+    own = {} if exact or kept else own_norm_classes(model)
     if own:
         raise ValueError(
             f"expected a model holding {what}, got a {type(model).__name__} whose norm "
-            f"layers are classes of its own ({_kept_text(own)}), not torch.nn's, which "
+            f"layers are classes of its own ({counted(own)}), not torch.nn's, which "
             "patch replaces; build those layers from normkit's classes instead (they take "
             "torch's arguments: normkit.RMSNorm, normkit.LayerNorm, ...), keeping their eps")
     if kept and not exact:
         raise ValueError(
             f"expected a model holding {what}, got a {type(model).__name__} whose norm "
-            f"layers are all subclasses of them ({_kept_text(kept)}), which patch leaves "
+            f"layers are all subclasses of them ({counted(kept)}), which patch leaves "
             "alone: their forward is their own. Build those layers from normkit's classes "
             "instead (normkit.BatchNormAct2d, normkit.LayerNorm2d, normkit.GroupNormAct, "
             "... take torch's arguments)")
     if kept:
-        warnings.warn(f"patch: left {_kept_text(kept)} alone (subclasses of torch.nn norms, "
+        warnings.warn(f"patch: left {counted(kept)} alone (subclasses of torch.nn norms, "
                       "whose forward is their own)", stacklevel=2)
     return replace_modules(model, lambda m: _layer_class(m) in _DROP_INS,
                            lambda m: _retype(m, _DROP_INS[_layer_class(m)], True),
@@ -416,22 +417,6 @@ def _subclassed_norms(model: nn.Module) -> dict[str, int]:
             name = f"{cls.__module__}.{cls.__qualname__}"
             kept[name] = kept.get(name, 0) + 1
     return kept
-
-
-def _own_norm_classes(model: nn.Module) -> dict[str, int]:
-    """``{class name: count}`` of layers that look like norms of the model's own class
-    (:func:`~normkit._surgery.is_own_norm`: a Hugging Face ``LlamaRMSNorm``)."""
-    found: dict[str, int] = {}
-    for module in model.modules():
-        if is_own_norm(module):
-            cls = type(module)
-            name = f"{cls.__module__}.{cls.__qualname__}"
-            found[name] = found.get(name, 0) + 1
-    return found
-
-
-def _kept_text(kept: dict[str, int]) -> str:
-    return ", ".join(f"{count} {name}" for name, count in sorted(kept.items()))
 
 
 def unpatch(model: nn.Module) -> nn.Module:
