@@ -247,6 +247,31 @@ def test_remove_weight_norm_bakes_the_weight():
                 m.load_state_dict(old)
 
 
+@pytest.mark.parametrize("wn", [weight_norm, torch_weight_norm], ids=["normkit", "torch"])
+def test_removing_or_adding_on_a_deep_copy_leaves_the_original_whole(wn):
+    """copy.deepcopy shares a parametrized module's class, on which torch keeps the
+    weight's property: torch's remove_parametrizations on an inference copy deleted it,
+    so the training model's .weight raised AttributeError."""
+    x = torch.randn(4, 7, generator=_gen())
+    model = nn.Sequential(_randomize_(wn(nn.Linear(7, 5))), nn.ReLU(),
+                          _randomize_(wn(nn.Linear(5, 3))))
+    before = model(x)
+    deploy = copy.deepcopy(model)
+    for layer in (deploy[0], deploy[2]):
+        remove_weight_norm(layer)
+    assert type(deploy[0]) is nn.Linear and type(model[0]).__name__ == "ParametrizedLinear"
+    torch.testing.assert_close(model(x), before)  # (AttributeError without the fix)
+    torch.testing.assert_close(deploy(x), before)
+    assert sorted(model[0].state_dict()) == [
+        "bias", "parametrizations.weight.original0", "parametrizations.weight.original1"]
+    # adding one to a copy gives the original no property it cannot serve
+    other = copy.deepcopy(model)
+    weight_norm(other[0], "bias")
+    assert "bias" in other[0].parametrizations
+    torch.testing.assert_close(model(x), before)  # (AttributeError on .bias without it)
+    torch.testing.assert_close(other(x), before, rtol=1.3e-6, atol=1e-5)
+
+
 def test_weight_norm_errors_name_what_was_expected():
     with pytest.raises(ValueError, match=r"LSTM .*'weight'.*weight_ih_l0, weight_hh_l0"):
         weight_norm(nn.LSTM(3, 4))

@@ -10,7 +10,7 @@ from torch.nn.utils import parametrize
 
 __all__ = ["check_initialized", "replace_modules", "move_parametrizations",
            "refuse_own_forwards", "activation_of", "activation_module", "keep_activation",
-           "is_own_norm", "own_norm_classes", "counted"]
+           "is_own_norm", "own_norm_classes", "counted", "own_parametrized_class"]
 
 #: torch's normalization classes (and their subclasses): not "a norm class of its own"
 _TORCH_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm,
@@ -165,6 +165,40 @@ def keep_activation(source: nn.Module, new: nn.Module) -> nn.Module:
     if activation_of(source) is None:
         return new
     return nn.Sequential(new, activation_module(source))
+
+
+def own_parametrized_class(module: nn.Module) -> None:
+    """Give a parametrized ``module`` a ``Parametrized<Class>`` of its own, before a
+    parametrization is added to it or removed from it.
+
+    ``torch.nn.utils.parametrize`` keeps each parametrized tensor as a property of the
+    module's class, and ``copy.deepcopy`` shares that class between the copies: removing
+    a parametrization from one copy (``remove_parametrizations``) deletes the property
+    from the class and breaks every other copy (``AttributeError`` on its ``.weight``),
+    and registering one on a copy gives the others a property they cannot serve. A
+    private class (same name, bases and attributes) keeps the change to this module.
+
+    Example:
+        >>> import copy, torch
+        >>> a = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(2, 2))
+        >>> b = copy.deepcopy(a)
+        >>> type(a) is type(b)
+        True
+        >>> own_parametrized_class(b)
+        >>> type(a) is type(b), type(b).__name__, isinstance(b, torch.nn.Linear)
+        (False, 'ParametrizedLinear', True)
+        >>> _ = parametrize.remove_parametrizations(b, "weight")
+        >>> a.weight.shape  # (torch alone: AttributeError here)
+        torch.Size([2, 2])
+    """
+    if not parametrize.is_parametrized(module):
+        return
+    cls = type(module)
+    body = {key: value for key, value in cls.__dict__.items()
+            if key not in ("__dict__", "__weakref__")}
+    private = type(cls.__name__, cls.__bases__, body)
+    private.__qualname__ = cls.__qualname__
+    module.__class__ = private
 
 
 def move_parametrizations(source: nn.Module, target: nn.Module) -> None:

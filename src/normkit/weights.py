@@ -40,6 +40,7 @@ from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 from torch.nn.utils import parametrize
 
 from . import _stats
+from ._surgery import own_parametrized_class
 from .norms._base import NotScriptable
 from .norms._core import check_backend, compiling
 
@@ -364,6 +365,7 @@ def weight_norm(module: nn.Module, name: str = "weight", dim: int | None = 0, *,
             f"placeholder of a lazy module: run one forward pass on a real batch first (a "
             f"lazy module takes its sizes from it), then call {who}")
     _check_dim(dim, param.dim(), who)
+    own_parametrized_class(module)  # (a deep copy's class is shared: keep the change here)
     parametrize.register_parametrization(module, name, WeightNorm(dim, backend=backend),
                                          unsafe=True)
     hook = _OldCheckpointHook(name)
@@ -380,6 +382,9 @@ def remove_weight_norm(module: nn.Module, name: str = "weight") -> nn.Module:
     Works for normkit's and torch's weight norm (it wraps
     ``parametrize.remove_parametrizations(module, name, leave_parametrized=True)``):
     the new parameter holds the current ``g * v / ||v||``, so the output is unchanged.
+    Unlike torch's function it leaves deep copies of ``module`` alone: torch deletes the
+    weight's property from the class that ``copy.deepcopy`` shares between the copies,
+    so removing the weight norm from an inference copy broke the training model.
 
     Args:
         module: a module passed to :func:`weight_norm`.
@@ -400,6 +405,9 @@ def remove_weight_norm(module: nn.Module, name: str = "weight") -> nn.Module:
             f"remove_weight_norm expected {_type_name(module)}.{name} to be weight-normalized, "
             f"got {got}"
         )
+    # (torch deletes the property from the class, which a deep copy of the module shares:
+    # the copy's .weight would be gone too)
+    own_parametrized_class(module)
     parametrize.remove_parametrizations(module, name, leave_parametrized=True)
     return module
 
