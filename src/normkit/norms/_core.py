@@ -70,6 +70,55 @@ def compiling() -> bool:
             or _forward_ad.__dict__.get("_current_level", -1) >= 0 or _faking())
 
 
+def recomputing() -> bool:
+    """True while this forward runs inside a backward pass of autograd's engine: what
+    activation checkpointing (``torch.utils.checkpoint``, reentrant or not, and every
+    wrapper built on it -- Hugging Face's ``gradient_checkpointing_enable``) does when
+    it recomputes a segment's forward to get the activations it did not keep.
+
+    Layers with running statistics skip their update then: the first forward already
+    counted this batch. torch's layers update them again (pytorch issue 96136): with
+    checkpointing, ``num_batches_tracked`` counts every step twice and each batch
+    enters the running averages twice. False under compilation and ``torch.func``
+    transforms (:func:`compiling`): a compiled graph makes the update once already.
+
+    Example:
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> seen = []
+        >>> def f(x):
+        ...     seen.append(recomputing())
+        ...     return x.sin()
+        >>> checkpoint(f, torch.ones(2, requires_grad=True), use_reentrant=False).sum().backward()
+        >>> seen  # the forward, then its recomputation in backward
+        [False, True]
+    """
+    return not compiling() and _graph_task_id() != -1
+
+
+#: The id of the backward pass autograd's engine runs on this thread, -1 outside one.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def may_be_recomputed() -> bool:
+    """Whether activation checkpointing may recompute this forward in backward: it runs
+    under saved-tensor hooks (non-reentrant checkpointing keeps none of the tensors the
+    forward saves) or without autograd (reentrant checkpointing's first forward). What a
+    layer whose output reads its running statistics (BatchRenorm) keeps them for.
+
+    Example:
+        >>> may_be_recomputed()
+        False
+        >>> with torch.no_grad():
+        ...     may_be_recomputed()
+        True
+    """
+    return not torch.is_grad_enabled() or _saved_tensors_hooks(False) is not None
+
+
+_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
+                               lambda ignore_is_tracing: True)
+
+
 #: Whether a torch.func transform is active (looked up once: compiling() runs on every
 #: call of every layer).
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)

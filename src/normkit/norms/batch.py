@@ -14,7 +14,9 @@ from ._core import (
     check_channels,
     check_floating,
     compiling,
+    may_be_recomputed,
     normalize,
+    recomputing,
     shape_str,
     without_data,
 )
@@ -110,13 +112,21 @@ class _BatchNormForward(BackendMixin):
 
         torch's ``_BatchNorm.forward`` rules: count the step, use batch statistics in
         training (or without running buffers), and hand the buffers over only when they
-        are read (eval) or updated (training with ``track_running_stats``).
+        are read (eval) or updated (training with ``track_running_stats``). Except in
+        activation checkpointing's recomputation of this forward (:func:`recomputing`):
+        no count, and the update goes to copies of the buffers that are dropped -- the
+        first forward made it. (Copies, not ``None``: the recomputation must save the
+        tensors the first forward saved, which non-reentrant checkpointing checks.)
         """
-        factor = self._momentum_factor()
+        skip = self.training and recomputing()
+        factor = (0.0 if self.momentum is None else self.momentum) if skip else (
+            self._momentum_factor())
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or self.track_running_stats
-        return (self.running_mean if keep else None, self.running_var if keep else None,
-                use_batch_stats, factor)
+        mean, var = (self.running_mean, self.running_var) if keep else (None, None)
+        if skip:
+            mean, var = (None if t is None else t.clone() for t in (mean, var))
+        return mean, var, use_batch_stats, factor
 
     def forward(self, input: Tensor) -> Tensor:
         if isinstance(input, Proxy):
@@ -480,6 +490,36 @@ class _BatchRenormForward(_BatchNormForward):
             return fx_leaf(self, input)
         if not self.training:
             return super().forward(input)
+        if self.running_mean is not None and self.num_batches_tracked is not None:
+            if recomputing():
+                return self._recomputed(input)
+            if not compiling() and may_be_recomputed():
+                # (what r, d and the limits read, for checkpointing's recomputation)
+                self.__dict__["_before_step"] = (
+                    self.running_mean.detach().clone(), self.running_var.detach().clone(),
+                    self.num_batches_tracked.detach().clone())
+        return self._training_forward(input)
+
+    def _recomputed(self, input: Tensor) -> Tensor:
+        """Activation checkpointing's recomputation of this forward in backward: the same
+        output as the first forward, so the same r, d and limits, from the running
+        statistics and step count it read (kept by it) -- and no update: the statistics
+        go to copies that are dropped. One call per checkpointed segment: a layer called
+        twice in one segment recomputes both calls with what the second read."""
+        before = self.__dict__.get("_before_step")
+        if before is None:  # (the first forward ran under compilation)
+            before = (self.running_mean, self.running_var, self.num_batches_tracked)
+        buffers = self._buffers
+        kept = {name: buffers[name] for name in
+                ("running_mean", "running_var", "num_batches_tracked")}
+        for name, value in zip(kept, before, strict=True):
+            buffers[name] = value.clone()
+        try:
+            return self._training_forward(input)
+        finally:
+            buffers.update(kept)
+
+    def _training_forward(self, input: Tensor) -> Tensor:
         r_max, d_max = self.current_limits()
         if r_max == 1.0 and d_max == 0.0:
             # the warm-up (or limits fixed at 1 and 0): r = 1 and d = 0 exactly, which is

@@ -10,7 +10,7 @@ from torch.fx import Proxy
 
 from .. import functional as F
 from ._base import BackendMixin, fx_leaf
-from ._core import check_channels, check_floating, shape_str
+from ._core import check_channels, check_floating, recomputing, shape_str
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
@@ -139,9 +139,14 @@ class _InstanceNormForward(BackendMixin):
                           "statistics (torch.nn warns the same way)", stacklevel=2)
         factor = 0.0 if self.momentum is None else self.momentum
         use_input_stats = self.training or not self.track_running_stats
+        running = (self.running_mean, self.running_var)
+        if use_input_stats and recomputing():
+            # activation checkpointing's recomputation of this forward: the update goes to
+            # copies that are dropped (the first forward made it)
+            running = tuple(None if t is None else t.clone() for t in running)
         y = F.instance_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias,
-            use_input_stats, factor, self.eps, backend=self.backend,
+            x, *running, self.weight, self.bias, use_input_stats, factor, self.eps,
+            backend=self.backend,
         )
         return y.squeeze(0) if unbatched else y
 
