@@ -9,10 +9,12 @@ import math
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import normkit
@@ -103,6 +105,33 @@ def test_train_mode_under_no_grad_is_validation_in_train_mode():
         assert codes(doctor(model, images(64))) == ["train-under-no-grad"]
     with torch.no_grad():
         assert doctor(nn.Sequential(nn.LayerNorm(8)), torch.randn(4, 8)).warnings == []
+
+
+class Checkpointed(nn.Module):
+    """A block under activation checkpointing, as Hugging Face's
+    gradient_checkpointing_enable() runs each layer (reentrant by default)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = doctor_models.healthy_cnn()
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_training_is_not_validation_in_train_mode(reentrant):
+    """Reentrant checkpointing runs the first forward without autograd (the backward
+    reruns it with autograd on): no train-under-no-grad there; under the caller's own
+    no_grad it still is."""
+    model = Checkpointed(reentrant)
+    x = images(64).requires_grad_()
+    report = doctor(model, x)
+    assert report.warnings == [] and all(layer.grad_enabled for layer in report.layers)
+    with torch.no_grad(), pytest.warns(UserWarning) if reentrant else nullcontext():
+        report = doctor(model, images(64))  # (torch: "None of the inputs have requires_grad")
+    assert codes(report) == ["train-under-no-grad"]
 
 
 def test_stale_running_statistics_point_to_update_bn_stats():

@@ -203,7 +203,7 @@ class KeywordOnly(nn.Module):
 
     def forward(self, *, pixel_values, scale: float = 1.0):
         x = pixel_values * scale
-        for conv, norm in zip(self.convs, self.norms):
+        for conv, norm in zip(self.convs, self.norms, strict=True):
             x = torch.relu(norm(conv(x))) if x.sum() > -1e9 else x
         return x
 

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from .. import _stats
@@ -405,7 +406,9 @@ class LayerReport:
         statistics: what it normalized with: ``"batch"`` (statistics of this batch,
             shared by its samples), ``"running"`` (stored running statistics) or
             ``"sample"`` (each sample's own statistics: LN, RMS, GN, IN).
-        grad_enabled: whether autograd was on when the layer ran.
+        grad_enabled: whether autograd was on when the layer ran (or will be: reentrant
+            activation checkpointing runs its first forward without autograd and the
+            recomputation in backward with it; such calls count as on).
         calls: how many times the layer ran: a layer reused in the model, or a norm inside
             a recurrent cell (once per time step). ``input`` and ``output`` pool every
             call; the other fields describe the first.
@@ -878,8 +881,23 @@ def _invalid_state(module: nn.Module) -> list[str]:
     return problems
 
 
-def _measure(name: str, module: nn.Module, family: str, kind: str, x: Tensor) -> _Call:
-    grad = torch.is_grad_enabled()
+def _inside_reentrant_checkpoint() -> bool:
+    """Whether this call runs inside reentrant activation checkpointing's first forward
+    (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, Hugging Face's
+    ``gradient_checkpointing_enable()`` default), which turns autograd off and reruns
+    the segment with it in backward: not validation in train mode."""
+    function = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+    code = getattr(getattr(function, "forward", None), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and code is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _measure(name: str, module: nn.Module, family: str, kind: str, x: Tensor,
+             grad: bool) -> _Call:
     with torch.no_grad():
         values, axis = _layout(module, kind, x)
         running = (RunningCheck.of(module, x)
@@ -1103,9 +1121,12 @@ class _Run:
         self.layers: dict[nn.Module, LayerReport] = {}
         self.findings: list[tuple[int, Finding]] = []
         self.position = 0
+        self.outer_grad = torch.is_grad_enabled()
 
     # error tracking: which module is running
     def enter(self, module, args, kwargs) -> None:
+        if not self.stack:  # the outermost module: the autograd mode the model runs in
+            self.outer_grad = torch.is_grad_enabled()
         self.stack.append(module)
 
     def leave(self, module, args, kwargs, output) -> None:
@@ -1120,7 +1141,11 @@ class _Run:
             return
         family, kind = _kind(module)
         try:
-            call = _measure(self.names[module], module, family, kind, x)
+            # (autograd off inside reentrant checkpointing of a model run with it on:
+            # the segment reruns with it in backward)
+            grad = torch.is_grad_enabled() or (self.outer_grad
+                                               and _inside_reentrant_checkpoint())
+            call = _measure(self.names[module], module, family, kind, x, grad)
         except Exception as exc:  # the doctor must never break the model's run
             self._add(self.names[module], "analysis-failed",
                       f"could not measure the input {list(x.shape)}: "
