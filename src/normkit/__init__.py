@@ -49,7 +49,16 @@ from .tools.freeze import freeze_batchnorm, unfreeze_batchnorm
 from .tools.init import init_norms_
 from .tools.precise import update_bn_stats
 from .tools.recommend import Recommendation, recommend
-from .weights import WeightNorm, data_dependent_init_, remove_weight_norm, weight_norm
+from .weights import (
+    WeightNorm,
+    WeightStandardization,
+    activation_gain,
+    data_dependent_init_,
+    remove_weight_norm,
+    remove_weight_standardization,
+    weight_norm,
+    weight_standardization,
+)
 
 __version__ = "0.1.0"
 
@@ -93,6 +102,10 @@ __all__ = [
     "remove_weight_norm",
     "data_dependent_init_",
     "WeightNorm",
+    "weight_standardization",
+    "remove_weight_standardization",
+    "WeightStandardization",
+    "activation_gain",
     "MeanOnlyBatchNorm1d",
     "MeanOnlyBatchNorm2d",
     "convert_norms",

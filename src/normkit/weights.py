@@ -23,6 +23,11 @@ where the norm is taken over every dimension of ``v`` except ``dim`` (so there i
 
 The mean-only batch normalization of the same paper is
 :class:`normkit.norms.mean_only.MeanOnlyBatchNorm1d` / ``2d``.
+
+Weight standardization (Qiao et al. 2019) standardizes each output unit's weights at
+every forward (:func:`weight_standardization`); its scaled form with a learnable gain
+(Brock et al. 2021) is what normalization-free networks (NF-Nets) use instead of norm
+layers, with :func:`activation_gain` giving the constant each activation needs.
 """
 
 from __future__ import annotations
@@ -50,6 +55,13 @@ __all__ = [
     "remove_weight_norm",
     "data_dependent_init_",
     "reference_weight_norm",
+    "WeightStandardization",
+    "weight_standardization",
+    "remove_weight_standardization",
+    "reference_weight_standardization",
+    "activation_gain",
+    "fan_in",
+    "WS_EPS",
 ]
 
 # torch's own parametrization class, recognized by remove_weight_norm and
@@ -340,6 +352,22 @@ def weight_norm(module: nn.Module, name: str = "weight", dim: int | None = 0, *,
         ['bias', 'parametrizations.weight.original0', 'parametrizations.weight.original1']
     """
     who = "weight_norm"
+    param = _plain_parameter(module, name, who)
+    _check_dim(dim, param.dim(), who)
+    own_parametrized_class(module)  # (a deep copy's class is shared: keep the change here)
+    parametrize.register_parametrization(module, name, WeightNorm(dim, backend=backend),
+                                         unsafe=True)
+    hook = _OldCheckpointHook(name)
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        module.register_load_state_dict_pre_hook(hook)
+    else:  # torch 2.4: the same hook through the then-private method (public from 2.5)
+        module._register_load_state_dict_pre_hook(hook, with_module=True)
+    return module
+
+
+def _plain_parameter(module: nn.Module, name: str, who: str) -> Tensor:
+    """``module.<name>``: an initialized parameter, not parametrized yet, or a ValueError
+    (TypeError for a non-module) naming what was expected and what was given."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{who} expected a torch.nn.Module, got {type(module).__name__}")
     if parametrize.is_parametrized(module, name):
@@ -364,16 +392,7 @@ def weight_norm(module: nn.Module, name: str = "weight", dim: int | None = 0, *,
             f"{who} expected {_type_name(module)}.{name} to be initialized, got the "
             f"placeholder of a lazy module: run one forward pass on a real batch first (a "
             f"lazy module takes its sizes from it), then call {who}")
-    _check_dim(dim, param.dim(), who)
-    own_parametrized_class(module)  # (a deep copy's class is shared: keep the change here)
-    parametrize.register_parametrization(module, name, WeightNorm(dim, backend=backend),
-                                         unsafe=True)
-    hook = _OldCheckpointHook(name)
-    if hasattr(module, "register_load_state_dict_pre_hook"):
-        module.register_load_state_dict_pre_hook(hook)
-    else:  # torch 2.4: the same hook through the then-private method (public from 2.5)
-        module._register_load_state_dict_pre_hook(hook, with_module=True)
-    return module
+    return param
 
 
 def remove_weight_norm(module: nn.Module, name: str = "weight") -> nn.Module:
@@ -410,6 +429,298 @@ def remove_weight_norm(module: nn.Module, name: str = "weight") -> nn.Module:
     own_parametrized_class(module)
     parametrize.remove_parametrizations(module, name, leave_parametrized=True)
     return module
+
+
+# --------------------------------------------------------------------------------------
+# weight standardization (Qiao et al. 2019) and its scaled form (Brock et al. 2021)
+# --------------------------------------------------------------------------------------
+
+#: ``eps`` of :func:`weight_standardization`, added to the variance: timm's ``StdConv2d``
+#: and ``ScaledStdConv2d`` default (BiT's and NF-Nets' own code use 1e-10 and 1e-4
+#: under other formulas; Qiao et al. add 1e-5 to the unbiased standard deviation).
+WS_EPS = 1e-6
+
+
+def reference_weight_standardization(weight: Tensor, dim: int | None = 0, eps: float = WS_EPS,
+                                     gain: Tensor | None = None, scale: float = 1.0
+                                     ) -> Tensor:
+    r"""Weight standardization in plain, differentiable PyTorch math (the test oracle).
+
+    .. math:: \hat w = \text{gain} \cdot \text{scale} \cdot
+              \frac{w - \mathrm{mean}(w)}{\sqrt{\mathrm{var}(w) + \epsilon}}
+
+    with the mean and biased variance over every dim but ``dim`` (one statistic per
+    output unit for ``dim=0``), or over the whole tensor for ``dim=None``, computed in
+    float32 (float64 for float64 weights).
+
+    Args:
+        weight: any shape.
+        dim: the dim that keeps one statistic per slice. Default: ``0``.
+        eps: added to the variance. Default: :data:`WS_EPS`.
+        gain: per-slice gain (the shape of the statistics with keepdim) or ``None``.
+        scale: a constant factor, e.g. ``gamma / sqrt(fan_in)`` for Scaled WS.
+
+    Example:
+        >>> w = torch.tensor([[1.0, 3.0], [2.0, 2.0]])
+        >>> reference_weight_standardization(w, eps=0.0)[0]
+        tensor([-1.,  1.])
+    """
+    dims, keepdim = _reduction(weight.dim(), dim)
+    w = _stats.upcast(weight)
+    if not dims:
+        dims = tuple(range(w.dim()))  # (a slice of one value: itself)
+    mean = w.mean(dims, keepdim=True)
+    centered = w - mean
+    var = centered.square().mean(dims, keepdim=True)
+    factor = torch.rsqrt(var + eps) * scale
+    if gain is not None:
+        factor = factor * _stats.upcast(gain).reshape(factor.shape)
+    out_dtype = weight.dtype if gain is None else torch.promote_types(weight.dtype, gain.dtype)
+    return (centered * factor).to(out_dtype)
+
+
+def fan_in(weight: Tensor, dim: int | None = 0) -> int:
+    """The number of values each standardized slice holds: ``in * prod(kernel)`` of a
+    conv weight ``(out, in / groups, *kernel)`` with ``dim=0``.
+
+    Example:
+        >>> fan_in(torch.nn.Conv2d(3, 8, 3).weight)
+        27
+    """
+    dims, _ = _reduction(weight.dim(), dim)
+    return _stats.reduced_count(weight.shape, dims) if dims else 1
+
+
+class WeightStandardization(NotScriptable, nn.Module):
+    r"""The weight-standardization parametrization: each slice of the weight standardized
+    to zero mean and unit variance, optionally times a learnable gain and a constant.
+
+    Weight Standardization (Qiao et al. 2019, with GroupNorm: BatchNorm's accuracy at
+    one or two images per device) and Scaled Weight Standardization (Brock et al. 2021,
+    NF-Nets: no normalization layer at all):
+
+    .. math:: \hat w = \text{gain} \cdot \frac{\gamma}{\sqrt{N}} \cdot
+              \frac{w - \mathrm{mean}(w)}{\sqrt{\mathrm{var}(w) + \epsilon}}
+
+    over the ``N`` values of each slice (the fan-in of a conv or linear weight for
+    ``dim=0``). Registered by :func:`weight_standardization`; see there.
+
+    Args:
+        dim: the dim that keeps one statistic per slice. Default: ``0``.
+        eps: added to the (biased) variance. Default: :data:`WS_EPS`.
+        gamma: ``None`` for plain WS; a float for Scaled WS, which multiplies by
+            ``gamma / sqrt(N)`` (``gamma``: :func:`activation_gain` of the activation
+            whose output this layer reads, 1 for a layer reading the unit-variance
+            input). Default: ``None``.
+        gain: a learnable per-slice gain (``original0``, initialized to 1), as NF-Nets
+            and timm's ``ScaledStdConv2d`` have. Default: ``False``.
+
+    Example:
+        >>> ws = WeightStandardization()
+        >>> w = ws(torch.tensor([[1.0, 3.0], [2.0, 6.0]]))
+        >>> w.mean(1), w.var(1, correction=0)
+        (tensor([0., 0.]), tensor([1.0000, 1.0000]))
+    """
+
+    def __init__(self, dim: int | None = 0, eps: float = WS_EPS, *,
+                 gamma: float | None = None, gain: bool = False) -> None:
+        super().__init__()
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, numbers.Integral)):
+            raise TypeError(f"WeightStandardization expected dim to be an int or None, got "
+                            f"{dim!r}")
+        _check_nonnegative(eps, "eps", "WeightStandardization")
+        if gamma is not None:
+            _check_nonnegative(gamma, "gamma", "WeightStandardization")
+        self.dim = None if dim is None else int(dim)
+        self.eps = float(eps)
+        self.gamma = None if gamma is None else float(gamma)
+        self.gain = bool(gain)
+
+    def _scale(self, weight: Tensor) -> float:
+        return 1.0 if self.gamma is None else self.gamma / math.sqrt(fan_in(weight, self.dim))
+
+    def forward(self, *originals: Tensor) -> Tensor:
+        if len(originals) != 1 + self.gain:
+            raise ValueError(f"WeightStandardization(gain={self.gain}) expected "
+                             f"{1 + self.gain} tensor(s), got {len(originals)}")
+        gain, weight = originals if self.gain else (None, originals[0])
+        _check_dim(self.dim, weight.dim(), "WeightStandardization")
+        if gain is not None:
+            _check_g(weight, gain, self.dim, "WeightStandardization")
+        return reference_weight_standardization(weight, self.dim, self.eps, gain,
+                                                self._scale(weight))
+
+    def right_inverse(self, weight: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        """The originals from a weight: the weight itself, with a gain of ones first when
+        ``gain=True`` (standardizing is not invertible: the layer's output changes).
+
+        Example:
+            >>> gain, w = WeightStandardization(gain=True).right_inverse(torch.ones(3, 2))
+            >>> gain.shape, w.shape
+            (torch.Size([3, 1]), torch.Size([3, 2]))
+        """
+        _check_dim(self.dim, weight.dim(), "WeightStandardization")
+        if not self.gain:
+            return weight
+        dims, keepdim = _reduction(weight.dim(), self.dim)
+        shape = tuple(1 if d in dims else s for d, s in enumerate(weight.shape)) if keepdim \
+            else ()
+        return torch.ones(shape, dtype=weight.dtype, device=weight.device), weight
+
+    def extra_repr(self) -> str:
+        text = f"dim={self.dim}, eps={self.eps:g}"
+        if self.gamma is not None:
+            text += f", gamma={self.gamma:g}"
+        return text + (", gain=True" if self.gain else "")
+
+
+def _check_nonnegative(value: Any, name: str, who: str) -> None:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0):
+        raise ValueError(f"{who} expected {name} to be a finite number >= 0, got {value!r}")
+
+
+def weight_standardization(module: nn.Module, name: str = "weight", dim: int | None = 0, *,
+                           eps: float = WS_EPS, gamma: float | None = None,
+                           gain: bool = False) -> nn.Module:
+    r"""Standardize ``module.<name>`` at every forward (in place; returns ``module``).
+
+    Weight Standardization (Qiao et al. 2019): each output unit's weights are
+    standardized to zero mean and unit variance before the layer uses them; with
+    GroupNorm it matches BatchNorm's accuracy where BatchNorm fails, at one or two
+    images per device. Scaled Weight Standardization (Brock et al. 2021, NF-Nets) adds
+    ``gamma / sqrt(fan_in)`` and a learnable gain so that a network *without*
+    normalization layers keeps its activations' variance: pass ``gamma`` and
+    ``gain=True``. ``gamma`` is the :func:`activation_gain` of the activation whose
+    output the layer reads (the one *before* it; 1.0 for a layer reading the input):
+    NF-Nets multiply each activation's output by it, the same as scaling the next
+    layer's weight, which is what this does -- any activation, homogeneous or not.
+    ``nn.Conv2d`` with this is timm's ``ScaledStdConv2d`` (``gamma=1.0, eps=1e-6,
+    gain_init=1``; timm puts the activation's gamma on the activation), and with
+    ``gamma=None`` its ``StdConv2d``. Pair Scaled WS with
+    :func:`normkit.adaptive_clip_grad_` (NF-Nets' AGC).
+
+    Registered with :mod:`torch.nn.utils.parametrize`: the stored parameter is
+    ``parametrizations.<name>.original`` (``original1``, with the gain as
+    ``original0``, when ``gain=True``); :func:`remove_weight_standardization` bakes the
+    standardized weight back. The statistics are computed in float32 (float64 for
+    float64 weights); autograd differentiates through them, as the papers do.
+
+    Args:
+        module: the module holding the parameter (``Conv*d``, ``Linear``, ...).
+        name: the parameter's name. Default: ``"weight"``.
+        dim: the dim that keeps one statistic per slice: ``0``, one per output unit of
+            ``Linear``/``ConvNd``; ``1`` for ``ConvTranspose`` (``groups=1``);
+            ``None``, the whole tensor. Default: ``0``.
+        eps: added to the biased variance. Default: :data:`WS_EPS` (timm's).
+        gamma: ``None`` for plain WS, else Scaled WS's constant: the
+            :func:`activation_gain` of the activation before the layer. Default: ``None``.
+        gain: add a learnable per-slice gain. Default: ``False``.
+
+    Returns:
+        ``module``, now parametrized.
+
+    Example:
+        >>> conv = weight_standardization(torch.nn.Conv2d(3, 8, 3))
+        >>> w = conv.weight.flatten(1)
+        >>> mean, var = w.mean(1), w.var(1, correction=0)
+        >>> bool(mean.abs().max() < 1e-6), bool((var - 1).abs().max() < 1e-3)
+        (True, True)
+        >>> nf = weight_standardization(torch.nn.Conv2d(3, 8, 3), gamma=activation_gain("relu"),
+        ...                             gain=True)
+        >>> sorted(nf.state_dict())
+        ['bias', 'parametrizations.weight.original0', 'parametrizations.weight.original1']
+    """
+    who = "weight_standardization"
+    param = _plain_parameter(module, name, who)
+    _check_dim(dim, param.dim(), who)
+    parametrization = WeightStandardization(dim, eps, gamma=gamma, gain=gain)
+    own_parametrized_class(module)  # (a deep copy's class is shared: keep the change here)
+    parametrize.register_parametrization(module, name, parametrization, unsafe=True)
+    return module
+
+
+def remove_weight_standardization(module: nn.Module, name: str = "weight") -> nn.Module:
+    """Bake the standardized ``module.<name>`` back into a plain parameter (the output
+    is unchanged), e.g. for inference or export.
+
+    Example:
+        >>> m = weight_standardization(torch.nn.Linear(3, 2))
+        >>> w = m.weight
+        >>> torch.equal(remove_weight_standardization(m).weight, w), sorted(m.state_dict())
+        (True, ['bias', 'weight'])
+    """
+    if not (parametrize.is_parametrized(module, name)
+            and isinstance(module.parametrizations[name][0], WeightStandardization)):
+        got = "another parametrization" if parametrize.is_parametrized(module, name) else (
+            "a plain tensor" if hasattr(module, name) else "no such tensor")
+        raise ValueError(f"remove_weight_standardization expected {_type_name(module)}.{name} "
+                         f"to be weight-standardized, got {got}")
+    own_parametrized_class(module)
+    parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+    return module
+
+
+def activation_gain(activation: str | Callable[[Tensor], Tensor]) -> float:
+    r"""Scaled WS's ``gamma`` for an activation: ``1 / std(f(x))`` for ``x ~ N(0, 1)``,
+    so that the activation of a unit-variance input, times it, has unit variance again
+    (Brock et al. 2021, section 3: the factor on the activation's output, or on the
+    next layer's weight; they estimate it from samples; here Gauss-Legendre quadrature
+    against the normal density in float64, split at the kink at 0).
+
+    Args:
+        activation: ``"relu"``, ``"gelu"``, ``"silu"``, ``"tanh"``, ``"elu"``,
+            ``"leaky_relu"`` (slope 0.01), ``"sigmoid"``, ``"softplus"``,
+            ``"identity"``, or any callable on a float64 tensor.
+
+    Example:
+        >>> round(activation_gain("relu"), 5)  # 1 / sqrt(1/2 - 1/(2 pi))
+        1.71286
+        >>> round(activation_gain("identity"), 9)
+        1.0
+    """
+    functions = {
+        "identity": lambda x: x, "relu": torch.relu, "gelu": nn.functional.gelu,
+        "silu": nn.functional.silu, "tanh": torch.tanh, "elu": nn.functional.elu,
+        "leaky_relu": nn.functional.leaky_relu, "sigmoid": torch.sigmoid,
+        "softplus": nn.functional.softplus,
+    }
+    if isinstance(activation, str):
+        if activation not in functions:
+            raise ValueError(f"activation_gain expected one of {', '.join(functions)} or a "
+                             f"callable, got {activation!r}")
+        activation = functions[activation]
+    elif not callable(activation):
+        raise TypeError(f"activation_gain expected an activation name or a callable, got "
+                        f"{type(activation).__name__}")
+    nodes, weights = _normal_nodes()
+    values = activation(nodes)
+    if not isinstance(values, Tensor) or values.shape != nodes.shape:
+        raise ValueError("activation_gain expected the activation to map a float64 tensor "
+                         "to a tensor of the same shape")
+    mean = (weights * values).sum()
+    var = (weights * (values - mean).square()).sum()
+    if not var > 0:
+        raise ValueError("activation_gain expected an activation whose output varies, got "
+                         f"a variance of {float(var):g}")
+    return float(var.rsqrt())
+
+
+def _normal_nodes(count: int = 200, reach: float = 12.0) -> tuple[Tensor, Tensor]:
+    """Nodes and weights (summing to 1) that integrate against the standard normal
+    density: Gauss-Legendre on ``[-reach, 0]`` and ``[0, reach]`` separately, so that
+    activations with a kink at 0 (ReLU, LeakyReLU, ELU) are integrated exactly on each
+    side, float64."""
+    import numpy as np
+
+    unit, unit_weights = np.polynomial.legendre.leggauss(count)
+    half = (unit + 1) * (reach / 2)  # [0, reach]
+    nodes = np.concatenate([-half[::-1], half])
+    weights = np.concatenate([unit_weights[::-1], unit_weights]) * (reach / 2)
+    weights = weights * np.exp(-nodes ** 2 / 2)
+    weights = weights / weights.sum()
+    return (torch.from_numpy(nodes).to(torch.float64),
+            torch.from_numpy(weights).to(torch.float64))
 
 
 # --------------------------------------------------------------------------------------
