@@ -114,6 +114,7 @@ def train_classifier(
     before_step: Callable[[int], None] | None = None,
     probe: Callable[[int, Tensor, Tensor], None] | None = None,
     final_train_metrics: bool = False,
+    agc: float | None = None,
 ) -> dict:
     """Train ``model`` for ``steps`` mini-batch steps with cross-entropy; measure it.
 
@@ -131,6 +132,9 @@ def train_classifier(
         probe: ``probe(step, x, y)`` before the update of evaluation steps, with that
             step's batch (for measurements of the loss landscape).
         final_train_metrics: also measure accuracy and loss on the whole training set.
+        agc: adaptive gradient clipping with this clip factor before every step
+            (:class:`normkit.AGC`; the last ``nn.Linear``, the classifier, is left
+            unclipped, as Brock et al. 2021 do), or ``None``.
 
     Returns:
         ``curve`` (``step``, ``test_acc``, ``test_loss``, ``train_loss``: the mean
@@ -145,6 +149,11 @@ def train_classifier(
     generator = torch.Generator().manual_seed(seed)
     batches = batch_indices(data.x_train.shape[0], batch_size, generator)
     opt = make_optimizer(optimizer, model.parameters(), lr)
+    if agc is not None:
+        from ..tools.clip import AGC
+
+        heads = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        opt = AGC(opt, clip_factor=agc, exclude=heads[-1:])
     every = max(1, steps // max(1, evals))
     eval_steps = sorted({0, *range(every, steps + 1, every), steps})
     curve: dict[str, list] = {"step": [], "test_acc": [], "test_loss": [], "train_loss": []}

@@ -15,6 +15,7 @@ from .bn_learning_rate import BNLearningRate
 from .cost import Cost
 from .inputs import Inputs
 from .invariances import Invariances
+from .norm_free import NormFree
 from .rnn import RNN
 from .smoothness import Smoothness
 from .train_eval_gap import TrainEvalGap
@@ -25,7 +26,7 @@ __all__ = ["EXPERIMENTS", "names", "get_experiment"]
 #: Every experiment, in the order of the report.
 EXPERIMENTS: tuple[Experiment, ...] = (
     Inputs(), BNLearningRate(), BatchSize(), RNN(), TrainEvalGap(), Smoothness(),
-    WeightNormExperiment(), Invariances(), Cost(),
+    WeightNormExperiment(), NormFree(), Invariances(), Cost(),
 )
 
 
