@@ -11,10 +11,11 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from ..core import TARGET_FRACTION
+from ..core import TARGET_FRACTION, Analysis
 from ..training import steps_to_target
 
-__all__ = ["group_by", "mean", "sd", "fmt_pm", "target_steps", "complete_seeds", "pct"]
+__all__ = ["group_by", "mean", "sd", "fmt_pm", "target_steps", "complete_seeds", "pct",
+           "begin_analysis"]
 
 
 def group_by(records: Iterable[dict], field: str) -> dict:
@@ -77,6 +78,22 @@ def complete_seeds(records: Sequence[dict], n_configs: int) -> list[int]:
     for r in records:
         counts[r["seed"]] = counts.get(r["seed"], 0) + 1
     return sorted(s for s, c in counts.items() if c >= n_configs)
+
+
+def begin_analysis(records: Sequence[dict], n_configs: int) -> tuple[Analysis, list[int]]:
+    """A fresh :class:`~normkit.lab.core.Analysis` and the seeds to analyse: those with
+    a record for each of the ``n_configs`` configurations; the analysis is ``complete``
+    when every seed in ``records`` is one of them (an analysis without seeds is empty).
+
+    Example:
+        >>> analysis, seeds = begin_analysis([{"seed": 0}, {"seed": 0}, {"seed": 1}], 2)
+        >>> seeds, analysis.complete
+        ([0], False)
+    """
+    analysis = Analysis()
+    seeds = complete_seeds(records, n_configs)
+    analysis.complete = bool(seeds) and len(seeds) == len({r["seed"] for r in records})
+    return analysis, seeds
 
 
 def target_steps(results: dict[str, dict], budget: int) -> tuple[float, dict[str, int | None],

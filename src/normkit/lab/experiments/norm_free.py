@@ -27,11 +27,11 @@ from torch import nn
 
 from ...norms.batch import BatchNorm2d
 from ...weights import activation_gain, weight_standardization
-from ..core import ARTICLE_BN_LN, BASE_BATCH, BASE_LR, Analysis, Experiment, Table, module_summary
+from ..core import ARTICLE_BN_LN, BASE_BATCH, BASE_LR, Experiment, Table, module_summary
 from ..datasets import digits
 from ..training import train_classifier
 from ..verdict import RESOLUTION, Check, log2_ratio, points_resolution
-from ._common import complete_seeds, fmt_pm, mean
+from ._common import begin_analysis, fmt_pm, mean
 
 __all__ = ["NormFree", "deep_cnn"]
 
@@ -124,9 +124,7 @@ class NormFree(Experiment):
 
     def analyze(self, records):
         """Test accuracy and last-interval training loss; the two claims."""
-        analysis = Analysis()
-        seeds = complete_seeds(records, len(NETS))
-        analysis.complete = bool(seeds) and len(seeds) == len({r["seed"] for r in records})
+        analysis, seeds = begin_analysis(records, len(NETS))
         if not seeds:
             return analysis
         res = {(r["seed"], r["config"]["net"]): r["result"] for r in records}

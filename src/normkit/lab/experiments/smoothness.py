@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..core import BASE_BATCH, BASE_LR, Analysis, Experiment, Table, module_summary
+from ..core import BASE_BATCH, BASE_LR, Experiment, Table, module_summary
 from ..datasets import digits
 from ..models import mlp, resample_noise
 from ..training import train_classifier
 from ..verdict import RESOLUTION, Check, log2_ratio
-from ._common import complete_seeds, fmt_pm, mean
+from ._common import begin_analysis, fmt_pm, mean
 
 __all__ = ["Smoothness", "landscape_probe"]
 
@@ -199,9 +199,7 @@ class Smoothness(Experiment):
 
     def analyze(self, records):
         """Drift per layer and landscape measures; the three claims."""
-        analysis = Analysis()
-        seeds = complete_seeds(records, len(NORMS))
-        analysis.complete = bool(seeds) and len(seeds) == len({r["seed"] for r in records})
+        analysis, seeds = begin_analysis(records, len(NORMS))
         if not seeds:
             return analysis
         res = {(r["seed"], r["config"]["norm"]): r["result"] for r in records}

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from ...tools.precise import update_bn_stats
-from ..core import BASE_BATCH, BASE_LR, Analysis, Cell, Experiment, Table, module_summary
+from ..core import BASE_BATCH, BASE_LR, Cell, Experiment, Table, module_summary
 from ..datasets import digits
 from ..models import cnn
 from ..training import evaluate, train_classifier
 from ..verdict import RESOLUTION, Check, ExactCheck, points_resolution
-from ._common import complete_seeds, fmt_pm, mean
+from ._common import begin_analysis, fmt_pm, mean
 
 __all__ = ["TrainEvalGap"]
 
@@ -145,9 +145,7 @@ class TrainEvalGap(Experiment):
 
     def analyze(self, records):
         """Accuracies per kind of statistics; the two claims and a cell."""
-        analysis = Analysis()
-        seeds = complete_seeds(records, len(VARIANTS))
-        analysis.complete = bool(seeds) and len(seeds) == len({r["seed"] for r in records})
+        analysis, seeds = begin_analysis(records, len(VARIANTS))
         if not seeds:
             return analysis
         res = {(r["seed"], r["key"]): r["result"] for r in records}

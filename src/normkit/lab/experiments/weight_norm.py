@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from ...weights import data_dependent_init_, weight_norm
-from ..core import ADAM_LR, ARTICLE_NORM, BASE_BATCH, Analysis, Experiment, Table, module_summary
+from ..core import ADAM_LR, ARTICLE_NORM, BASE_BATCH, Experiment, Table, module_summary
 from ..datasets import digits
 from ..models import cnn
 from ..training import train_classifier
 from ..verdict import RESOLUTION, Check, log2_ratio
-from ._common import complete_seeds, fmt_pm, mean
+from ._common import begin_analysis, fmt_pm, mean
 
 __all__ = ["WeightNormExperiment"]
 
@@ -103,9 +103,7 @@ class WeightNormExperiment(Experiment):
 
     def analyze(self, records):
         """Training losses at half and full budget, step times; the three claims."""
-        analysis = Analysis()
-        seeds = complete_seeds(records, len(PARAMS))
-        analysis.complete = bool(seeds) and len(seeds) == len({r["seed"] for r in records})
+        analysis, seeds = begin_analysis(records, len(PARAMS))
         if not seeds:
             return analysis
         res = {(r["seed"], r["config"]["param"]): r for r in records}
