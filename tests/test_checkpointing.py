@@ -85,3 +85,39 @@ def test_recomputing_is_false_outside_a_backward_and_inside_autograd_grad_calls(
     assert seen == [False, False]
     checkpoint(f, x, use_reentrant=True).sum().backward()
     assert seen == [False, False, False, True]
+
+
+def _fairscale_patch_batchnorm(module: nn.Module) -> None:
+    """FairScale's ``patch_batchnorm`` (what its ``checkpoint_wrapper`` applies): no
+    running-statistics update in the first forward, run without autograd, so that the
+    recomputation makes it."""
+
+    def pre(layer, args):
+        if not torch.is_grad_enabled():
+            layer._track_running_stats_backup = layer.track_running_stats
+            layer.track_running_stats = False
+
+    def post(layer, args, output):
+        if not torch.is_grad_enabled():
+            layer.track_running_stats = layer._track_running_stats_backup
+
+    for layer in module.modules():
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm):
+            layer.register_forward_pre_hook(pre)
+            layer.register_forward_hook(post)
+
+
+@pytest.mark.parametrize("layer", ["BatchNorm2d", "BatchNormAct2d", "SyncBatchNorm"])
+def test_a_wrapper_that_moves_the_update_into_the_recomputation_still_gets_one(layer):
+    torch.manual_seed(1)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), LAYERS[layer](), nn.Conv2d(4, 2, 1))
+    wrapped = copy.deepcopy(plain)
+    _fairscale_patch_batchnorm(wrapped)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x = torch.randn(8, 3, 6, 6, generator=gen) * 2 + 1
+        plain(x).square().mean().backward()
+        checkpoint(wrapped, x.requires_grad_(), use_reentrant=True).square().mean().backward()
+    for (name, a), b in zip(plain.named_buffers(), wrapped.buffers(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    assert int(wrapped[1].num_batches_tracked) == 2

@@ -119,6 +119,29 @@ _saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_h
                                lambda ignore_is_tracing: True)
 
 
+def skip_recomputed_update(module: torch.nn.Module, updates: bool) -> bool:
+    """Whether a layer should skip its running-statistics update in this forward:
+    activation checkpointing's recomputation (:func:`recomputing`) of a forward that
+    made it already. ``updates``: whether this forward would update them (training with
+    running statistics). A forward that may be recomputed (:func:`may_be_recomputed`)
+    records ``updates``, so a recomputation whose first forward did not update them --
+    FairScale's ``checkpoint_wrapper`` switches ``track_running_stats`` off for it, to
+    make the update in the recomputation instead -- makes it once, there.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> skip_recomputed_update(bn, True)  # an ordinary forward
+        False
+    """
+    if compiling():
+        return False
+    if _graph_task_id() != -1:  # recomputing
+        return module.__dict__.get("_first_forward_updated", True)
+    if may_be_recomputed():
+        module.__dict__["_first_forward_updated"] = updates
+    return False
+
+
 #: Whether a torch.func transform is active (looked up once: compiling() runs on every
 #: call of every layer).
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)

@@ -18,6 +18,7 @@ from ._core import (
     normalize,
     recomputing,
     shape_str,
+    skip_recomputed_update,
     without_data,
 )
 
@@ -118,11 +119,12 @@ class _BatchNormForward(BackendMixin):
         first forward made it. (Copies, not ``None``: the recomputation must save the
         tensors the first forward saved, which non-reentrant checkpointing checks.)
         """
-        skip = self.training and recomputing()
+        keep = not self.training or self.track_running_stats
+        has_running = self.running_mean is not None or self.running_var is not None
+        skip = self.training and skip_recomputed_update(self, keep and has_running)
         factor = (0.0 if self.momentum is None else self.momentum) if skip else (
             self._momentum_factor())
-        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        keep = not self.training or self.track_running_stats
+        use_batch_stats = self.training or not has_running
         mean, var = (self.running_mean, self.running_var) if keep else (None, None)
         if skip:
             mean, var = (None if t is None else t.clone() for t in (mean, var))

@@ -10,7 +10,7 @@ from torch.fx import Proxy
 
 from .. import functional as F
 from ._base import BackendMixin, fx_leaf
-from ._core import check_channels, check_floating, recomputing, shape_str
+from ._core import check_channels, check_floating, shape_str, skip_recomputed_update
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
@@ -140,7 +140,8 @@ class _InstanceNormForward(BackendMixin):
         factor = 0.0 if self.momentum is None else self.momentum
         use_input_stats = self.training or not self.track_running_stats
         running = (self.running_mean, self.running_var)
-        if use_input_stats and recomputing():
+        updates = use_input_stats and any(t is not None for t in running)
+        if use_input_stats and skip_recomputed_update(self, updates):
             # activation checkpointing's recomputation of this forward: the update goes to
             # copies that are dropped (the first forward made it)
             running = tuple(None if t is None else t.clone() for t in running)

@@ -19,7 +19,7 @@ from torch.fx import Proxy
 
 from .. import _stats
 from ._base import NotScriptable, fx_leaf
-from ._core import check_backend, check_floating, compiling, recomputing, shape_str
+from ._core import check_backend, check_floating, compiling, shape_str, skip_recomputed_update
 
 __all__ = ["MeanOnlyBatchNorm1d", "MeanOnlyBatchNorm2d", "reference_mean_only"]
 
@@ -173,8 +173,9 @@ class _MeanOnlyBatchNorm(NotScriptable, nn.Module):
         # as torch's BatchNorm: setting track_running_stats=False after construction stops
         # the updates (the buffers stay and serve eval); activation checkpointing's
         # recomputation of this forward counts nothing (the first forward did)
-        if (self.training and self.track_running_stats and self.running_mean is not None
-                and not recomputing()):
+        updates = (self.training and self.track_running_stats
+                   and self.running_mean is not None)
+        if self.training and not skip_recomputed_update(self, updates) and updates:
             self.num_batches_tracked.add_(1)
             factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                       else self.momentum)
