@@ -11,7 +11,7 @@ Example:
     >>> from normkit.lab import experiment_names
     >>> experiment_names()
     ['inputs', 'bn-learning-rate', 'batch-size', 'rnn', 'train-eval-gap', 'smoothness',
-     'weight-norm', 'invariances', 'cost']
+     'weight-norm', 'norm-free', 'invariances', 'cost']
 """
 
 from __future__ import annotations
