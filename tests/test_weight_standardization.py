@@ -212,3 +212,15 @@ def test_compiles_without_graph_breaks_and_matches_eager():
     eager(x).square().sum().backward()
     for a, b in zip(model.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_weight_has_the_same_bits_with_and_without_autograd(dtype):
+    """What training uses (autograd on) is what inference and remove_* bake (off)."""
+    torch.manual_seed(7)
+    conv = weight_standardization(nn.Conv2d(16, 32, 3).to(dtype), gamma=1.3, gain=True)
+    with torch.no_grad():
+        conv.weight_before = conv.weight.clone()
+    assert torch.equal(conv.weight, conv.weight_before)
+    trained = conv.weight
+    assert torch.equal(remove_weight_standardization(conv).weight, trained)

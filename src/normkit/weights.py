@@ -469,6 +469,10 @@ def reference_weight_standardization(weight: Tensor, dim: int | None = 0, eps: f
     w = _stats.upcast(weight)
     if not dims:
         dims = tuple(range(w.dim()))  # (a slice of one value: itself)
+    # two passes (mean, then the centered values' mean square), the same ops with and
+    # without autograd: _stats.moments picks another reduction without it, which would
+    # make the weight a training step uses differ by an ulp from the one
+    # remove_weight_standardization bakes
     mean = w.mean(dims, keepdim=True)
     centered = w - mean
     var = centered.square().mean(dims, keepdim=True)
