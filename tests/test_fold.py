@@ -524,3 +524,20 @@ def test_fold_bn_weights_matches_conv_then_bn(transpose, dims, groups, per_group
         folded_conv.weight.copy_(w)
         folded_conv.bias.copy_(b)
         assert _error(folded_conv(x), expected) <= 1e-12
+
+
+def test_a_parametrized_layer_is_skipped_with_how_to_bake_it_then_folds():
+    """Weight norm, weight standardization or any parametrization: the reason names the
+    call that bakes the weight; baked, the layer folds."""
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    for wrap, fix in ((normkit.weight_standardization, normkit.remove_weight_standardization),
+                      (nn.utils.parametrizations.weight_norm, normkit.remove_weight_norm)):
+        torch.manual_seed(8)
+        model = _randomize_(nn.Sequential(wrap(nn.Conv2d(3, 4, 3)), nn.BatchNorm2d(4))
+                            .double(), shape=(8, 3, 5, 5))
+        with pytest.warns(UserWarning, match="nothing to fold"):
+            _, report = fold_batchnorm(model, return_report=True)
+        call = f"normkit.{fix.__name__}(layer, 'weight')"
+        assert report.skipped[0][1].endswith(f"bake it first with {call}"), report.skipped
+        fix(model[0])
+        _check_fold(model, x, 1)

@@ -275,6 +275,26 @@ def _norm_problem(norm: nn.Module) -> str | None:
     return None
 
 
+def _parametrized_problem(layer: nn.Module, name: str) -> str:
+    """What to call to bake ``layer``'s parametrized tensors back, named per kind."""
+    from ..weights import WeightNorm, WeightStandardization, _TorchWeightNorm
+
+    parts = []
+    for tensor, chain in layer.parametrizations.items():
+        first = chain[0]
+        if isinstance(first, WeightStandardization):
+            fix = f"normkit.remove_weight_standardization(layer, {tensor!r})"
+        elif isinstance(first, WeightNorm) or (_TorchWeightNorm is not None
+                                               and isinstance(first, _TorchWeightNorm)):
+            fix = f"normkit.remove_weight_norm(layer, {tensor!r})"
+        else:
+            fix = (f"torch.nn.utils.parametrize.remove_parametrizations(layer, {tensor!r}, "
+                   "leave_parametrized=True)")
+        parts.append(f"{tensor} is parametrized ({type(first).__name__}): bake it first with "
+                     f"{fix}")
+    return f"{name}'s {'; '.join(parts)}"
+
+
 def _layer_problem(layer: nn.Module, name: str) -> str | None:
     """Why this Conv/ConvTranspose/Linear cannot take a fold, or None."""
     base = _layer_base(layer)
@@ -282,8 +302,7 @@ def _layer_problem(layer: nn.Module, name: str) -> str | None:
     if isinstance(layer, LazyModuleMixin):
         return f"{name} ({kind}) is not initialized yet (lazy)"
     if parametrize.is_parametrized(layer):
-        return (f"{name}'s weight is parametrized (weight norm?): remove the parametrization "
-                "first, e.g. normkit.remove_weight_norm")
+        return _parametrized_problem(layer, name)
     if (type(layer).forward is not base.forward
             or getattr(type(layer), "_conv_forward", None) is not getattr(base, "_conv_forward",
                                                                         None)):
