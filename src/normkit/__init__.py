@@ -13,6 +13,7 @@ Example:
 
 from . import conventions, functional
 from .data import StandardizedModel, Standardizer
+from .norms.adaptive import AdaptiveGroupNorm, AdaptiveLayerNorm, adaptive_instance_norm
 from .norms.batch import (
     BatchNorm,
     BatchNorm1d,
@@ -127,4 +128,7 @@ __all__ = [
     "BatchNormAct2d",
     "BatchNormAct3d",
     "GroupNormAct",
+    "AdaptiveLayerNorm",
+    "AdaptiveGroupNorm",
+    "adaptive_instance_norm",
 ]
