@@ -16,7 +16,10 @@ whose parameters follow the input -- among the frontier. Three forms in use:
 The normalization is normkit's (:class:`~normkit.LayerNorm`, :class:`~normkit.GroupNorm`
 without affine, kept as the submodule ``norm``, so :func:`normkit.doctor` sees it); the
 modulation is one ``nn.Linear`` (``modulation``), initialized to zero with
-``zero_init=True`` so that the layer starts as the plain norm (adaLN-Zero's idea).
+``zero_init=True`` so that the layer starts as the plain norm (adaLN-Zero's idea). Its
+output is ``[scale, shift]``, in that order: diffusers' ``AdaGroupNorm`` order (its
+``linear`` loads as ``modulation``); DiT's ``adaLN_modulation`` puts the shift first, so
+swap the two halves of its rows when porting such weights.
 """
 
 from __future__ import annotations
