@@ -143,6 +143,8 @@ def test_bad_input_names_what_was_expected():
         adaptive_instance_norm(torch.randn(2, 3, 4, 4), torch.randn(2, 4, 4, 4))
     with pytest.raises(ValueError, match="content of shape \\(N, C, \\*\\) with a spatial dim"):
         adaptive_instance_norm(torch.randn(2, 3), torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match=r"at least 2 values per channel .*got \(2, 3, 1, 1\)"):
+        adaptive_instance_norm(torch.randn(2, 3, 1, 1), torch.randn(2, 3, 4, 4))
 
 
 def test_compiles_without_graph_breaks():

@@ -182,6 +182,9 @@ def test_bad_input_names_what_was_expected():
         weight_standardization(copy.deepcopy(conv), gamma=float("nan"))
     with pytest.raises(ValueError, match=r"dim in \[-4, 3\].*got dim=4"):
         weight_standardization(copy.deepcopy(conv), dim=4)
+    with pytest.raises(ValueError, match=r"at least 2 values .*shape \(4, 1, 1, 1\), one value "
+                                         r"per slice"):
+        weight_standardization(nn.Conv2d(4, 4, 1, groups=4))  # depthwise 1x1: fan-in 1
     with pytest.raises(ValueError, match="parameter named 'kernel'"):
         weight_standardization(copy.deepcopy(conv), "kernel")
     with pytest.raises(TypeError, match="expected a torch.nn.Module, got Tensor"):

@@ -638,6 +638,12 @@ def weight_standardization(module: nn.Module, name: str = "weight", dim: int | N
     who = "weight_standardization"
     param = _plain_parameter(module, name, who)
     _check_dim(dim, param.dim(), who)
+    if fan_in(param, dim) < 2:
+        raise ValueError(
+            f"{who} expected slices of at least 2 values along the dims other than "
+            f"dim={dim}, got {_type_name(module)}.{name} of shape {tuple(param.shape)}, one "
+            "value per slice: standardized, every value would be 0 (a depthwise 1x1 "
+            "convolution has fan-in 1)")
     parametrization = WeightStandardization(dim, eps, gamma=gamma, gain=gain)
     own_parametrized_class(module)  # (a deep copy's class is shared: keep the change here)
     parametrize.register_parametrization(module, name, parametrization, unsafe=True)

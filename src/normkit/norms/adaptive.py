@@ -209,6 +209,9 @@ def adaptive_instance_norm(content: Tensor, style: Tensor, eps: float = 1e-5) ->
         raise ValueError(f"{who} expected style of shape ({content.shape[0]} or 1, "
                          f"{content.shape[1]}, *) for content of shape {shape_str(content)}, "
                          f"got {shape_str(style)}")
+    if _stats.reduced_count(content.shape, range(2, content.dim())) < 2:
+        raise ValueError(f"{who} expected content with at least 2 values per channel (its "
+                         f"mean and variance normalize them), got {shape_str(content)}")
     normalized = F.instance_norm(content, eps=eps)
     dims = tuple(range(2, style.dim()))
     moments = _stats.moments(_stats.upcast(style), dims)
