@@ -526,6 +526,9 @@ def test_recommend_cautions_and_sources():
     small = recommend("cnn", 8, distributed=True)
     assert any("convert_sync_batchnorm" in c for c in small.cautions)
     assert any("Wu & He" in r for r in small.reasons)
+    # GroupNorm for a CNN comes with weight standardization (Qiao et al. 2019)
+    assert any("normkit.weight_standardization" in c for c in recommend("cnn", 2).cautions)
+    assert not any("weight_standardization" in c for c in bn.cautions)
     assert any("Zhang & Sennrich" in r for r in recommend("transformer", 8).reasons)
     assert not any("update_bn_stats" in c for c in recommend("transformer", 8).cautions)
     # every rule cites a source

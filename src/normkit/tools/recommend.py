@@ -249,6 +249,11 @@ NOTES: tuple[tuple[When, str], ...] = (
     (When(tasks=frozenset({"speech"})),
      f"speech recognition: {_ARTICLE_BN_LN} §4.2 suggests trying BN or LN, or both (BN in "
      "the convolutional front end, LN in the recurrent/attention part)"),
+    (When(architectures=_archs("cnn"), families=frozenset({"gn"})),
+     "with GroupNorm, standardize each convolution's weights "
+     "(normkit.weight_standardization(conv)): Qiao et al. 2019 report GN with weight "
+     "standardization at 1 image per GPU matching or beating BN trained with large "
+     "batches (their claim; the lab does not test it)"),
     (When(tasks=frozenset({"detection", "segmentation"})),
      "detection and segmentation usually train with 1-2 images per device: Wu & He 2018 "
      "use GN there; FrozenBatchNorm keeps a pretrained backbone's statistics"),
