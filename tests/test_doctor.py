@@ -223,6 +223,12 @@ def test_informational_codes():
     assert finding(report, "batch-stats-in-eval").severity == "info"
     report = doctor(nn.Linear(4, 3), torch.randn(8, 4))
     assert codes(report) == ["no-norm-layers"] and report.layers == []
+    # a normalizer-free network (weight-standardized convolutions) is named as one
+    nf = nn.Sequential(normkit.weight_standardization(nn.Conv2d(3, 4, 3), gamma=1.0,
+                                                      gain=True), nn.ReLU())
+    found = finding(doctor(nf, images(8)), "no-norm-layers")
+    assert "1 layer(s) with weight standardization" in found.message
+    assert "normkit.AGC" in found.remedy
 
 
 def test_a_failing_analysis_never_breaks_the_run(monkeypatch):

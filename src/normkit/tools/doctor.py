@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .. import _stats
 from .._surgery import is_own_norm
@@ -881,6 +882,15 @@ def _invalid_state(module: nn.Module) -> list[str]:
     return problems
 
 
+def _weight_standardized(model: nn.Module) -> int:
+    """How many of ``model``'s layers have a weight-standardized tensor."""
+    from ..weights import WeightStandardization
+
+    return sum(any(isinstance(chain[0], WeightStandardization)
+                   for chain in module.parametrizations.values())
+               for module in model.modules() if parametrize.is_parametrized(module))
+
+
 def _inside_reentrant_checkpoint() -> bool:
     """Whether this call runs inside reentrant activation checkpointing's first forward
     (``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``, Hugging Face's
@@ -1320,11 +1330,22 @@ def doctor(
                      "normkit.LayerNorm, normkit.LayerNorm2d, ... take torch's arguments; "
                      "keep their eps) for every check")
     if not norms:
-        run._add("", "no-norm-layers",
-                 "the model has no normalization layer the doctor recognizes (torch or "
-                 "normkit BatchNorm, SyncBatchNorm, BatchRenorm, FrozenBatchNorm, "
-                 "MeanOnlyBatchNorm, LayerNorm, LayerNorm2d, RMSNorm, GroupNorm, InstanceNorm)",
-                 "see the recommendation for which normalization suits this model")
+        standardized = _weight_standardized(model)
+        if standardized:
+            run._add("", "no-norm-layers",
+                     f"the model has no normalization layer, and {standardized} layer(s) "
+                     "with weight standardization: a normalizer-free network (NF-Nets, "
+                     "Brock et al. 2021), which keeps its activations' scale without norm "
+                     "layers when the standardization is scaled (gamma=)",
+                     "train it with adaptive gradient clipping (normkit.AGC); the "
+                     "recommendation below is for a network with norm layers")
+        else:
+            run._add("", "no-norm-layers",
+                     "the model has no normalization layer the doctor recognizes (torch or "
+                     "normkit BatchNorm, SyncBatchNorm, BatchRenorm, FrozenBatchNorm, "
+                     "MeanOnlyBatchNorm, LayerNorm, LayerNorm2d, RMSNorm, GroupNorm, "
+                     "InstanceNorm)",
+                     "see the recommendation for which normalization suits this model")
     batch_size = _infer_batch_size(model, arch, example_batch)
     recommendation = None
     if batch_size is not None:
