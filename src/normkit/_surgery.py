@@ -302,7 +302,8 @@ def replace_modules(model: nn.Module, match: Callable[..., bool],
         mine = "" if not own else (
             f" (its norm layers are classes of its own: {counted(own)}, which {tool} does not "
             "replace; build them from normkit's classes -- normkit.RMSNorm, "
-            "normkit.LayerNorm, ... take torch's arguments -- keeping their eps)")
+            "normkit.LayerNorm, ... take torch's arguments -- keeping their eps, and loading "
+            "weight + 1 for a norm that scales by 1 + weight, as Gemma's)")
         raise ValueError(f"expected a model holding {what}, got a {type(model).__name__} "
                          f"without any{mine}")
     return model

@@ -390,7 +390,9 @@ def patch(model: nn.Module) -> nn.Module:
             f"expected a model holding {what}, got a {type(model).__name__} whose norm "
             f"layers are classes of its own ({counted(own)}), not torch.nn's, which "
             "patch replaces; build those layers from normkit's classes instead (they take "
-            "torch's arguments: normkit.RMSNorm, normkit.LayerNorm, ...), keeping their eps")
+            "torch's arguments: normkit.RMSNorm, normkit.LayerNorm, ...), keeping their eps "
+            "(and, for a norm that scales by 1 + weight as Gemma's RMSNorm does, loading "
+            "weight + 1)")
     if kept and not exact:
         raise ValueError(
             f"expected a model holding {what}, got a {type(model).__name__} whose norm "

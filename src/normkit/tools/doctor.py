@@ -1328,7 +1328,8 @@ def doctor(
                      "batch statistics there",
                      "build those layers from normkit's classes (normkit.RMSNorm, "
                      "normkit.LayerNorm, normkit.LayerNorm2d, ... take torch's arguments; "
-                     "keep their eps) for every check")
+                     "keep their eps; a norm that scales by 1 + weight, as Gemma's, loads weight + "
+                     "1) for every check")
     if not norms:
         standardized = _weight_standardized(model)
         if standardized:
