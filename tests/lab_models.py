@@ -45,6 +45,32 @@ def make_mlp() -> nn.Module:
                          nn.Linear(32, 10))
 
 
+class _Output:
+    """A Hugging Face-style model output: the prediction as ``.logits``."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class _HFStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(self.body(x))
+
+
+def make_hf_style_model() -> nn.Module:
+    """:func:`make_model` returning an object with ``.logits``, as Hugging Face models do.
+
+    Example:
+        >>> make_hf_style_model()(torch.randn(2, 1, 8, 8)).logits.shape
+        torch.Size([2, 10])
+    """
+    return _HFStyle()
+
+
 def make_loaders(batch_size: int, seed: int = 0) -> tuple[DataLoader, DataLoader]:
     """Loaders over 256 training and 128 test digits; the training order follows ``seed``.
 

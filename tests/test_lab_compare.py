@@ -99,3 +99,31 @@ def test_compare_reports_a_bad_spec_in_the_callers_terms(tmp_path):
                         "lab_models:make_loaders", "--out", str(tmp_path))
     assert code == 2
     assert "expected module 'lab_models' to define 'nope'" in err
+
+
+def test_compare_takes_a_models_logits_from_its_output_object(tmp_path):
+    """Hugging Face models return an output object with ``.logits``: compare trained
+    nothing (a TypeError traceback per run) before."""
+    code, out, err = _cli(
+        "compare", "--model", "lab_models:make_hf_style_model", "--data",
+        "lab_models:make_loaders", "--norms", "bn,gn", "--batch-sizes", "16", "--epochs", "1",
+        "--seeds", "1", "--out", str(tmp_path), "--threads", "1", "--progress", "none")
+    assert code == 0, err
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text()
+               .splitlines()]
+    assert [r["result"]["error"] for r in records] == [None, None]
+    assert all(r["result"]["test_acc"] is not None for r in records)
+
+
+def test_one_test_example_apart_is_a_tie_whatever_the_rounding():
+    from normkit.lab.compare import CompareExperiment
+
+    experiment = CompareExperiment("m:f", "d:f", ["ln", "rms", "none"], [32], seeds=1)
+    n_test = 297  # 100/297 points per example: the differences round either way
+    records = [{"config": {"norm": norm, "batch_size": 32}, "seed": 0,
+                "result": {"error": None, "diverged": False, "classification": True,
+                           "n_test": n_test, "test_acc": correct / n_test, "test_loss": 1.0}}
+               for norm, correct in (("ln", 28), ("rms", 29), ("none", 28))]
+    notes = "\n".join(experiment.analyze(records).notes)
+    assert "**Recommendation** (best, or tied with the best, at the most batch sizes): " \
+           "**ln, rms, none**." in notes, notes

@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -133,7 +134,30 @@ def _split(batch) -> tuple[torch.Tensor, torch.Tensor]:
                      f"{type(batch).__name__}")
 
 
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _prediction(out) -> torch.Tensor:
+    """The model's prediction in its output: the tensor itself, a Hugging Face output's
+    ``logits``, or a tuple's first element (``(logits, aux)``).
+
+    Example:
+        >>> _prediction((torch.ones(2, 3), "aux")).shape
+        torch.Size([2, 3])
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, Mapping):
+        logits = out.get("logits")
+    if logits is None and isinstance(out, (tuple, list)) and out:
+        logits = out[0]
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"compare expected the model to return its predictions (logits) as a "
+                    f"tensor, an output with .logits (Hugging Face) or a tuple whose first "
+                    f"element is the logits, got {type(out).__name__}")
+
+
+def _loss(out, y: torch.Tensor) -> torch.Tensor:
+    out = _prediction(out)
     if y.dtype.is_floating_point:
         return nn.functional.mse_loss(out, y.reshape(out.shape))
     return nn.functional.cross_entropy(out, y)
@@ -232,7 +256,7 @@ class CompareExperiment(Experiment):
             with torch.no_grad():
                 for batch in test_loader:
                     x, y = _split(batch)
-                    pred = model(x)
+                    pred = _prediction(model(x))
                     classification = not y.dtype.is_floating_point
                     total_loss += _loss(pred, y).item() * x.shape[0]
                     if classification:
@@ -287,8 +311,10 @@ class CompareExperiment(Experiment):
             best = better(usable, key=lambda n: mean(usable[n]))
             noise = max(points_resolution(n_test) if classification else 0.0,
                         sd(usable[best]))
+            # (a relative slack: one test example apart is a tie, whatever the rounding of
+            # the two accuracies' difference)
             tied = [n for n in usable if n != best
-                    and abs(mean(usable[n]) - mean(usable[best])) <= noise]
+                    and abs(mean(usable[n]) - mean(usable[best])) <= noise * (1 + 1e-9)]
             for n in (best, *tied):
                 wins[n] += 1
             text = f"batch {bs}: **{best}** ({mean(usable[best]):.4g})"
