@@ -36,6 +36,9 @@ Served: float32/float64 CPU input with parameters of its dtype (elsewhere, and f
 layouts not listed, the reference math as before). A second derivative through the
 operators is not available, as for any graph compiled by AOTAutograd.
 
+One more operator serves a different purpose: ``normkit::snapshot(x) -> Tensor``, a copy
+of ``x`` the compiler cannot see through (see :func:`snapshot`).
+
 A schema, once released, is frozen: a change takes a new operator name, because
 Inductor's on-disk graph cache does not key on custom operators' schemas (measured: a
 graph cached before a schema change called the operator with the old arguments).
@@ -54,8 +57,8 @@ from torch import Tensor
 
 from . import channels, native
 
-__all__ = ["serves_layer_norm", "layer_norm", "serves_channels_last", "serves_group_norm",
-           "group_norm", "serves_batch_norm_train", "batch_norm_train"]
+__all__ = ["snapshot", "serves_layer_norm", "layer_norm", "serves_channels_last",
+           "serves_group_norm", "group_norm", "serves_batch_norm_train", "batch_norm_train"]
 
 _LIB = torch.library.Library("normkit", "FRAGMENT")
 _LIB.define("layer_norm(Tensor x, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
@@ -591,3 +594,32 @@ def layer_norm(x: Tensor, normalized_shape: tuple[int, ...], weight: Tensor | No
         True
     """
     return torch.ops.normkit.layer_norm(x, list(normalized_shape), weight, bias, eps)[0]
+
+
+_LIB.define("snapshot(Tensor x) -> Tensor")
+_LIB.impl("snapshot", lambda x: x.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake("normkit::snapshot", lambda x: torch.empty_like(x), lib=_LIB)
+torch.library.register_autograd("normkit::snapshot", lambda ctx, grad: grad, lib=_LIB)
+
+
+def snapshot(x: Tensor) -> Tensor:
+    """A copy of ``x`` as it is now, through the opaque ``normkit::snapshot`` operator:
+    under ``torch.compile``, what a layer reads from a buffer it then updates in place
+    in the same forward, where the backward needs what was read (BatchRenorm's r and
+    d, PowerNorm's running quadratic mean).
+
+    torch's AOTAutograd (2.13) may hand the backward the buffer itself and recompute
+    from it what the forward computed, after the forward's in-place update: silently
+    wrong gradients (pytorch pull request 197039, "Don't recompute reads of mutated
+    inputs or mutable buffers"). A ``clone`` or a reduction does not stop it (measured:
+    the compiler sees through both); a copy made by an operator it cannot look into
+    is what the backward then reads.
+
+    Example:
+        >>> buffer = torch.ones(3)
+        >>> copy = snapshot(buffer)
+        >>> _ = buffer.add_(1)
+        >>> copy
+        tensor([1., 1., 1.])
+    """
+    return torch.ops.normkit.snapshot(x)

@@ -18,6 +18,7 @@ parameters; everything else happens here, once:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from .. import _stats
+from ..kernels import library
 from ..kernels.native import backward_by_reference
 
 BACKENDS = ("auto", "reference", "eager", "triton")
@@ -115,6 +117,54 @@ def may_be_recomputed() -> bool:
     return not torch.is_grad_enabled() or _saved_tensors_hooks(False) is not None
 
 
+def keep_for_recomputation(module: torch.nn.Module, names: Sequence[str]) -> None:
+    """Keep copies of the buffers ``names`` that a training forward reads before it
+    updates them (BatchRenorm's running statistics, PowerNorm's), where activation
+    checkpointing may recompute the forward (:func:`may_be_recomputed`): the
+    recomputation must read what the first forward read (see
+    :func:`restored_for_recomputation`). Nothing under compilation (a compiled graph is
+    not recomputed this way) or outside checkpointing.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> with torch.no_grad():  # (as reentrant checkpointing's first forward)
+        ...     keep_for_recomputation(bn, ("running_mean",))
+        >>> bn.__dict__["_before_step"]
+        (tensor([0., 0.]),)
+    """
+    if not compiling() and may_be_recomputed():
+        module.__dict__["_before_step"] = tuple(
+            module._buffers[name].detach().clone() for name in names)
+
+
+@contextlib.contextmanager
+def restored_for_recomputation(module: torch.nn.Module, names: Sequence[str]):
+    """Inside: the buffers ``names`` of ``module`` are copies of what its first forward
+    read (kept by :func:`keep_for_recomputation`; the current values where none was
+    kept, as when the first forward ran under compilation), so that activation
+    checkpointing's recomputation computes the same output; what it writes into them
+    goes to the copies, dropped on exit, where the module's own buffers come back.
+    One call per checkpointed segment: a layer called twice in one segment recomputes
+    both calls with what the second read.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> with restored_for_recomputation(bn, ("running_mean",)):
+        ...     _ = bn.running_mean.add_(5)
+        >>> bn.running_mean
+        tensor([0., 0.])
+    """
+    buffers = module._buffers
+    kept = {name: buffers[name] for name in names}
+    before = module.__dict__.get("_before_step") or tuple(kept.values())
+    for name, value in zip(names, before, strict=True):
+        buffers[name] = value.clone()
+    try:
+        yield
+    finally:
+        buffers.update(kept)
+
+
 _saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks",
                                lambda ignore_is_tracing: True)
 
@@ -190,6 +240,22 @@ def in_graph() -> bool:
         False
     """
     return torch.compiler.is_compiling() and not _exporting()
+
+
+def read_before_update(buffer: Tensor) -> Tensor:
+    """``buffer`` as read now, by a training forward that updates it in place later and
+    whose backward uses what it read (BatchRenorm's running statistics in r and d,
+    PowerNorm's running quadratic mean). Under torch.compile a copy through
+    :func:`normkit.kernels.library.snapshot`, without which torch 2.13's compiled
+    backward reads the buffer after the update (wrong gradients); elsewhere ``buffer``
+    itself (eager code reads it at once).
+
+    Example:
+        >>> running = torch.ones(2)
+        >>> read_before_update(running) is running  # (eager)
+        True
+    """
+    return library.snapshot(buffer) if in_graph() else buffer
 
 
 def check_backend(backend: str) -> str:

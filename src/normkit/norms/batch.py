@@ -14,9 +14,11 @@ from ._core import (
     check_channels,
     check_floating,
     compiling,
-    may_be_recomputed,
+    keep_for_recomputation,
     normalize,
+    read_before_update,
     recomputing,
+    restored_for_recomputation,
     shape_str,
     skip_recomputed_update,
     without_data,
@@ -437,6 +439,8 @@ ight)
 
 
 class _BatchRenormForward(_BatchNormForward):
+    _STEP_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, *, r_max: float = 3.0, d_max: float = 5.0,
                  warmup_steps: int = 5000, r_max_steps: int = 40000,
@@ -495,31 +499,17 @@ class _BatchRenormForward(_BatchNormForward):
         if self.running_mean is not None and self.num_batches_tracked is not None:
             if recomputing():
                 return self._recomputed(input)
-            if not compiling() and may_be_recomputed():
-                # (what r, d and the limits read, for checkpointing's recomputation)
-                self.__dict__["_before_step"] = (
-                    self.running_mean.detach().clone(), self.running_var.detach().clone(),
-                    self.num_batches_tracked.detach().clone())
+            # (what r, d and the limits read, for checkpointing's recomputation)
+            keep_for_recomputation(self, self._STEP_BUFFERS)
         return self._training_forward(input)
 
     def _recomputed(self, input: Tensor) -> Tensor:
         """Activation checkpointing's recomputation of this forward in backward: the same
         output as the first forward, so the same r, d and limits, from the running
         statistics and step count it read (kept by it) -- and no update: the statistics
-        go to copies that are dropped. One call per checkpointed segment: a layer called
-        twice in one segment recomputes both calls with what the second read."""
-        before = self.__dict__.get("_before_step")
-        if before is None:  # (the first forward ran under compilation)
-            before = (self.running_mean, self.running_var, self.num_batches_tracked)
-        buffers = self._buffers
-        kept = {name: buffers[name] for name in
-                ("running_mean", "running_var", "num_batches_tracked")}
-        for name, value in zip(kept, before, strict=True):
-            buffers[name] = value.clone()
-        try:
+        go to copies that are dropped."""
+        with restored_for_recomputation(self, self._STEP_BUFFERS):
             return self._training_forward(input)
-        finally:
-            buffers.update(kept)
 
     def _training_forward(self, input: Tensor) -> Tensor:
         r_max, d_max = self.current_limits()
@@ -553,16 +543,18 @@ class _BatchRenormForward(_BatchNormForward):
         d are constants for autograd: the paper's stop-gradient). The renormalized
         output is BatchNorm of the batch with this affine. Few, small ops: at small
         inputs each costs about as much as the normalization."""
-        inv_sigma = torch.add(self.running_var.to(mean.dtype), self.eps).rsqrt_()
+        running_mean = read_before_update(self.running_mean)  # (updated after)
+        running_var = read_before_update(self.running_var)
+        inv_sigma = torch.add(running_var.to(mean.dtype), self.eps).rsqrt_()
         r = torch.div(inv_sigma, rstd).clamp_(1.0 / r_max, r_max)
         if mean_lo is None:
             # well-conditioned statistics (|mean| <= a few std): the float mean is exact
             # enough, and mean - running_mean rounds once
-            d = torch.sub(mean, self.running_mean.to(mean.dtype)).mul_(inv_sigma)
+            d = torch.sub(mean, running_mean.to(mean.dtype)).mul_(inv_sigma)
         else:
             # data far from zero: (mean - running_mean) in float64 with the batch mean's
             # low part (a float32 mean at 1e4 is off by up to 5e-4)
-            d = (mean.double() - self.running_mean.double() + mean_lo.double().view(-1)
+            d = (mean.double() - running_mean.double() + mean_lo.double().view(-1)
                  ).mul_(inv_sigma.double()).to(mean.dtype)
         d.clamp_(-d_max, d_max)
         w, b = self.weight, self.bias
