@@ -226,7 +226,8 @@ def test_op_names_are_unique_and_complete():
     assert len(set(op_names())) == len(OPS)
     assert set(CORE) == {"layer_norm", "rms_norm", "batch_norm", "batch_norm_eval",
                          "frozen_batch_norm", "batch_norm_biased_var", "batch_renorm",
-                         "group_norm", "instance_norm", "instance_norm_eval", "layer_norm2d"}
+                         "group_norm", "instance_norm", "instance_norm_eval", "layer_norm2d",
+                         "power_norm"}
     assert {"add_layer_norm", "add_rms_norm", "batch_norm_act"} <= set(FUSED)
 
 
@@ -264,6 +265,11 @@ def test_core_ops_compute_what_their_baseline_computes(name):
         var, mean = torch.var_mean(x.double(), dims_, correction=0, keepdim=True)
         r = torch.sqrt(var + 1e-5).clamp(1 / 3, 3.0)
         want = (want.double() * r + mean.clamp(-5.0, 5.0)).float()
+    if name == "power_norm":  # past its warm-up, against LayerNorm (the layer it replaces):
+        # each token's RMS scaling, then the fresh running quadratic mean 1
+        xd = x.double()
+        want = (xd * (xd.square().mean(-1, keepdim=True) + 1e-5).rsqrt()
+                / (1 + 1e-5) ** 0.5).float()
     torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=1e-5)
 
 

@@ -538,10 +538,11 @@ def test_backward_operators_return_dx_in_the_inputs_layout(op, route, monkeypatc
 
 @pytest.mark.parametrize("make, shape", [
     (lambda: normkit.BatchRenorm1d(6, warmup_steps=0, r_max_steps=1, d_max_steps=1), (8, 6)),
-], ids=["batch-renorm"])
+    (lambda: normkit.PowerNorm(6, warmup_iters=0, group_num=2), (4, 5, 6)),
+], ids=["batch-renorm", "power-norm"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_layers_reading_buffers_they_update_keep_eager_gradients(make, shape, backend):
-    """BatchRenorm's r and d come from running statistics the
+    """BatchRenorm's r and d and PowerNorm's divisor come from running statistics the
     same forward then updates in place: torch 2.13's compiled backward read them after
     the update (gradients 1-10 % off from the second step on) until they were read
     through ``normkit::snapshot``."""

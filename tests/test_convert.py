@@ -349,3 +349,25 @@ def test_a_model_of_both_layouts_is_told_which_where_converts(layers, to, expect
     kept = [(type(a), type(b)) for a, b in zip(net, converted, strict=True)
             if not isinstance(b, target)]
     assert len(kept) == 1 and kept[0][0] is kept[0][1]  # the one that cannot, as it was
+
+
+def test_a_transformers_layer_norms_become_power_norms_and_back():
+    torch.manual_seed(0)
+    net = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    with torch.no_grad():
+        net.norm1.weight.uniform_(0.5, 1.5)
+        net.norm1.bias.normal_()
+    pn = normkit.convert_norms(net, "pn", warmup_iters=100, group_num=2)
+    assert isinstance(pn.norm1, normkit.PowerNorm) and isinstance(pn.norm2, normkit.PowerNorm)
+    assert pn.norm1.warmup_iters == 100 and pn.norm1.group_num == 2
+    torch.testing.assert_close(pn.norm1.weight, net.norm1.weight)
+    torch.testing.assert_close(pn.norm1.bias, net.norm1.bias)
+    pn(torch.randn(4, 5, 16)).sum().backward()
+    assert int(pn.norm1.num_batches_tracked) == 1
+    back = normkit.convert_norms(pn, "ln")
+    assert type(back.norm1) is normkit.LayerNorm and back.norm1.normalized_shape == (16,)
+    torch.testing.assert_close(back.norm1.weight, net.norm1.weight)
+    with pytest.raises(ValueError, match=r"last 2 dims, \(4, 16\).*per channel"):
+        normkit.convert_norms(nn.Sequential(nn.LayerNorm((4, 16))), "pn")
+    with pytest.raises(ValueError, match="expected one of ln, rms, pn, none"):
+        normkit.convert_norms(nn.Sequential(nn.LayerNorm(16)), "gn")

@@ -669,3 +669,24 @@ def test_cli_in_process_and_quickstart_still_listed(capsys, monkeypatch):
     assert cli.main([]) == 2
     err = capsys.readouterr().err
     assert "quickstart" in err and "doctor" in err
+
+
+def test_power_norm_is_diagnosed_with_its_statistics_and_buffers():
+    model = nn.Sequential(nn.Linear(8, 16), normkit.PowerNorm(16, warmup_iters=2), nn.ReLU(),
+                          nn.Linear(16, 4))
+    tokens = torch.randn(4, 5, 8)
+    report = doctor(model, tokens)
+    (layer,) = report.layers
+    assert (layer.family, layer.statistics, layer.values_per_stat) == ("powernorm", "batch", 20)
+    assert codes(report) == []
+    assert int(model[1].num_batches_tracked) == 0  # (the doctor restores the buffers)
+    with torch.no_grad():
+        model[1].num_batches_tracked.fill_(2)  # past the warm-up: the running statistic
+        assert doctor(model, tokens).layers[0].statistics == "running"
+        model[1].running_phi[3] = float("nan")
+        model[1].running_phi[4] = -1.0
+    with torch.no_grad():
+        report = doctor(model, tokens)
+    assert "train-under-no-grad" in codes(report)  # (validation would update running_phi)
+    message = finding(report, "invalid-state").message
+    assert "running_phi has 1 NaN/Inf" in message and "running_phi has 1 negative" in message

@@ -18,6 +18,7 @@ from torch import nn
 from .norms.batch import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .norms.group import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .norms.layer import LayerNorm, LayerNorm2d, RMSNorm
+from .norms.power import PowerNorm
 
 __all__ = ["get_norm_layer", "register_norm", "norm_names", "default_num_groups"]
 
@@ -169,4 +170,5 @@ register_norm("groupnorm", GroupNorm, "gn")
 register_norm("instancenorm2d", InstanceNorm2d, "in", "instancenorm", "in2d")
 register_norm("instancenorm1d", InstanceNorm1d, "in1d")
 register_norm("instancenorm3d", InstanceNorm3d, "in3d")
+register_norm("powernorm", PowerNorm, "pn")
 register_norm("none", _identity, "identity")

@@ -299,6 +299,13 @@ OPS: tuple[Op, ...] = (
        "torch.nn.BatchNorm2d (train): torch has no Batch Renormalization; normkit's "
        "past its warm-up (r_max = 3, d_max = 5)",
        lambda d: 2 * _channels(d)),
+    # tokens x channels; past the warm-up (the running statistic in the forward); against
+    # the layer it replaces in a Transformer
+    Op("power_norm", ROWS, "PowerNorm", lambda cls, d: cls(_features(d), warmup_iters=0),
+       lambda d: nn.LayerNorm(_features(d)),
+       "torch.nn.LayerNorm: torch has no PowerNorm, the layer it replaces in a Transformer; "
+       "normkit's past its warm-up, group scaling over 1 group",
+       lambda d: 2 * _features(d)),
     Op("group_norm", IMAGE, "GroupNorm", lambda cls, d: cls(_groups(d), _channels(d)),
        lambda d: nn.GroupNorm(_groups(d), _channels(d)),
        "torch.nn.GroupNorm (32 groups, or the largest divisor of C below)",

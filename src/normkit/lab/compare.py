@@ -2,7 +2,7 @@
 
 The model factory (``pkg.module:make_model``, called with no arguments) returns a
 ``torch.nn.Module`` with normalization layers; :func:`normkit.convert_norms` swaps
-them for each requested family (``bn``, ``gn``, ``ln``, ``in``, ``rms``, ``none``: the
+them for each requested family (``bn``, ``gn``, ``ln``, ``in``, ``rms``, ``pn``, ``none``: the
 registry names it accepts for the layers the model has). The data factory
 (``pkg.module:make_loaders``) is called as ``make_loaders(batch_size)`` (and with
 ``seed=`` if it accepts it) and returns ``(train_loader, test_loader)``: iterables of

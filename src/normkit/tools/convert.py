@@ -34,6 +34,7 @@ from ..norms import batch as nk_batch
 from ..norms import fused as nk_fused
 from ..norms import group as nk_group
 from ..norms import layer as nk_layer
+from ..norms import power as nk_power
 from ..norms import sync as nk_sync
 from ..registry import _canon, default_num_groups, get_norm_layer
 
@@ -58,7 +59,7 @@ _NORMKIT_ATTRS = ("backend", "unbiased_running_var")
 _CHANNELS_FIRST = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm,
                    nn.modules.instancenorm._InstanceNorm, nk_batch.FrozenBatchNorm,
                    nk_layer.LayerNorm2d)
-_LAST_DIM = (nn.LayerNorm, nn.RMSNorm)
+_LAST_DIM = (nn.LayerNorm, nn.RMSNorm, nk_power.PowerNorm)
 
 
 def is_norm_layer(module: nn.Module) -> bool:
@@ -77,7 +78,7 @@ def _channels(module: nn.Module) -> int:
         return module.num_channels
     if isinstance(module, nn.GroupNorm):
         return module.num_channels
-    if isinstance(module, _LAST_DIM):
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return int(module.normalized_shape[-1])
     return int(module.num_features)
 
@@ -132,9 +133,17 @@ def _target_factory(to: str, source: nn.Module, name: str) -> Callable[..., nn.M
     family = _last_dim_family(key)
     if family is not None:
         return {"ln": nk_layer.LayerNorm, "rms": nk_layer.RMSNorm}[family]
+    if key in ("pn", "powernorm"):
+        shape = tuple(getattr(source, "normalized_shape", ()))
+        if len(shape) > 1:
+            raise ValueError(
+                f"cannot convert {type(source).__name__} at {name!r} (normalizes the last "
+                f"{len(shape)} dims, {shape}) to {to!r}: PowerNorm's statistic is per "
+                f"channel of the last dim; expected a layer over the last dim only")
+        return nk_power.PowerNorm
     raise ValueError(
         f"cannot convert {type(source).__name__} at {name!r} (normalizes the last dims) to "
-        f"{to!r}; expected one of ln, rms, none")
+        f"{to!r}; expected one of ln, rms, pn, none")
 
 
 def _last_dim_family(key: str | None) -> str | None:
@@ -204,7 +213,9 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
     layer (BatchNorm, GroupNorm, InstanceNorm, LayerNorm2d, FrozenBatchNorm) can become
     ``"bn"``, ``"gn"`` (group count: the largest divisor of C up to 32, or
     ``num_groups=``), ``"in"``, ``"ln"`` (as :class:`normkit.LayerNorm2d`) or ``"none"``;
-    a last-dim layer (LayerNorm, RMSNorm) can become ``"ln"``, ``"rms"`` or ``"none"``.
+    a last-dim layer (LayerNorm, RMSNorm, PowerNorm) can become ``"ln"``, ``"rms"``,
+    ``"pn"`` (:class:`normkit.PowerNorm`, from a layer over the last dim only) or
+    ``"none"``.
     Anything else raises a ValueError naming the layer. What a layer does besides
     normalizing stays: the activation of :class:`normkit.BatchNormAct2d` and
     :class:`normkit.GroupNormAct` (into the target's fused class where there is one --

@@ -2,9 +2,9 @@
 
 The doctor runs the model **once** with hooks on every normalization layer (torch's
 and normkit's BatchNorm, SyncBatchNorm, BatchRenorm, FrozenBatchNorm, MeanOnlyBatchNorm,
-LayerNorm, LayerNorm2d, RMSNorm, GroupNorm, InstanceNorm; norm layers of the model's
-own classes, such as Hugging Face's ``LlamaRMSNorm``, are reported and checked for
-NaN/Inf only) and reports, per layer, what
+LayerNorm, LayerNorm2d, RMSNorm, GroupNorm, InstanceNorm, and normkit's PowerNorm; norm
+layers of the model's own classes, such as Hugging Face's ``LlamaRMSNorm``, are reported
+and checked for NaN/Inf only) and reports, per layer, what
 the layer saw and did: its mode, the number of values each statistic is computed over
 at this batch, the statistics of its input and output, how far BatchNorm's running
 statistics are from the batch's, and its affine ``gamma``. It turns what it sees into
@@ -59,6 +59,7 @@ from ..norms.batch import (
 )
 from ..norms.layer import LayerNorm2d
 from ..norms.mean_only import MeanOnlyBatchNorm1d, MeanOnlyBatchNorm2d
+from ..norms.power import PowerNorm
 from ..recurrent import LayerNormLSTM, LayerNormLSTMCell
 from .precise import default_forward
 from .recommend import Recommendation, _canonical_architecture, recommend
@@ -127,6 +128,7 @@ _KINDS: tuple[tuple[type | tuple[type, ...], str, str], ...] = (
     (nn.SyncBatchNorm, "syncbn", "channel"),
     (nn.modules.batchnorm._BatchNorm, "bn", "channel"),
     ((MeanOnlyBatchNorm1d, MeanOnlyBatchNorm2d), "meanonly", "channel"),
+    (PowerNorm, "powernorm", "tokens"),
     (LayerNorm2d, "ln2d", "ln2d"),
     (nn.LayerNorm, "ln", "trailing"),
     (nn.RMSNorm, "rms", "trailing"),
@@ -156,8 +158,9 @@ def norm_family(module: nn.Module) -> str | None:
     """The family the doctor files ``module`` under, or ``None`` for a non-norm module.
 
     Families: ``bn``, ``syncbn``, ``batchrenorm``, ``frozenbn``, ``meanonly``, ``ln``,
-    ``ln2d``, ``rms``, ``gn``, ``in``, and ``own`` for a norm of the model's own class
-    (:func:`normkit._surgery.is_own_norm`: Hugging Face's ``LlamaRMSNorm``), whose
+    ``ln2d``, ``rms``, ``gn``, ``in``, ``powernorm``, and ``own`` for a norm of the
+    model's own class (:func:`normkit._surgery.is_own_norm`: Hugging Face's
+    ``LlamaRMSNorm``), whose
     statistics and affine convention the doctor cannot know.
 
     Example:
@@ -837,6 +840,8 @@ def _layout(module: nn.Module, kind: str, x: Tensor) -> tuple[int, int]:
         return _stats.reduced_count(shape, (0, *range(2, nd))), 1
     if kind == "ln2d":
         return shape[1], 1
+    if kind == "tokens":  # PowerNorm: per channel of the last dim, over every token
+        return x.numel() // max(shape[-1], 1), nd - 1
     if kind == "trailing":
         shape_ = tuple(module.normalized_shape)
         if (tuple(shape[nd - len(shape_):]) != shape_ and len(shape_) == 1 and nd >= 3
@@ -859,6 +864,9 @@ def _statistics(module: nn.Module, family: str) -> str:
     has_running = getattr(module, "running_mean", None) is not None
     if family == "frozenbn":
         return "running"
+    if family == "powernorm":  # the batch statistic during the warm-up only
+        warm = int(module.num_batches_tracked) < module.warmup_iters
+        return "batch" if module.training and warm else "running"
     if family in _BATCH_FAMILIES:
         return "running" if not module.training and has_running else "batch"
     if family == "in" and not module.training and has_running:
@@ -868,17 +876,17 @@ def _statistics(module: nn.Module, family: str) -> str:
 
 def _invalid_state(module: nn.Module) -> list[str]:
     problems = []
-    for attr in ("weight", "bias", "running_mean", "running_var"):
+    for attr in ("weight", "bias", "running_mean", "running_var", "running_phi", "ema_gz"):
         value = getattr(module, attr, None)
         if not isinstance(value, Tensor) or value.numel() == 0:
             continue
         bad = int((~torch.isfinite(value.detach())).sum())
         if bad:
             problems.append(f"{attr} has {bad} NaN/Inf value(s)")
-        if attr == "running_var":
+        if attr in ("running_var", "running_phi"):
             negative = int((value.detach() < 0).sum())
             if negative:
-                problems.append(f"running_var has {negative} negative value(s)")
+                problems.append(f"{attr} has {negative} negative value(s)")
     return problems
 
 
@@ -970,7 +978,8 @@ def _diagnose(call: _Call, output: TensorStats | None) -> list[tuple[str, str, s
                           f"{_ARTICLE_BN_LN} §2.3 advises batch >= 32",
                           _SMALL_BATCH_REMEDY))
     updates_running = (call.module.training and call.family != "frozenbn"
-                       and getattr(call.module, "running_mean", None) is not None)
+                       and (getattr(call.module, "running_mean", None) is not None
+                            or call.family == "powernorm"))
     if (call.module.training and not call.grad_enabled
             and (call.statistics == "batch" or updates_running)):
         found.append(("train-under-no-grad",
@@ -1345,7 +1354,7 @@ def doctor(
                      "the model has no normalization layer the doctor recognizes (torch or "
                      "normkit BatchNorm, SyncBatchNorm, BatchRenorm, FrozenBatchNorm, "
                      "MeanOnlyBatchNorm, LayerNorm, LayerNorm2d, RMSNorm, GroupNorm, "
-                     "InstanceNorm)",
+                     "InstanceNorm, PowerNorm)",
                      "see the recommendation for which normalization suits this model")
     batch_size = _infer_batch_size(model, arch, example_batch)
     recommendation = None

@@ -1,0 +1,328 @@
+"""PowerNorm (Shen et al. 2020, as the authors' MaskPowerNorm computes it)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from oracle import assert_close, assert_grad_close
+from torch.utils.checkpoint import checkpoint
+
+import normkit
+from normkit import PowerNorm
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+class Oracle:
+    """PowerNorm's training steps in float64 numpy, written out from the algorithm:
+    group scaling, the warm-up, the running quadratic mean, the approximate backward
+    (its running term averaged over the counted tokens) and the group scaling's exact
+    derivative."""
+
+    def __init__(self, c, *, eps=1e-5, alpha_fwd=0.9, alpha_bkw=0.9, warmup_iters=2,
+                 group_num=1, weight=None, bias=None):
+        self.c, self.eps, self.af, self.ab = c, eps, alpha_fwd, alpha_bkw
+        self.warmup, self.groups = warmup_iters, group_num
+        self.w = np.ones(c) if weight is None else weight
+        self.b = np.zeros(c) if bias is None else bias
+        self.phi, self.ema, self.iters = np.ones(c), np.zeros(c), 0
+
+    def _scale(self, x):
+        if self.groups is None:
+            return x, None
+        g = x.reshape(*x.shape[:-1], self.groups, self.c // self.groups)
+        r = np.sqrt((g * g).mean(-1, keepdims=True) + 1e-5)
+        return (g / r).reshape(x.shape), r
+
+    def eval(self, x):
+        xs, _ = self._scale(x)
+        return xs / np.sqrt(self.phi + self.eps) * self.w + self.b
+
+    def step(self, x, dy, pad=None):
+        c = self.c
+        xs, r = self._scale(x)
+        keep = np.ones(x.shape[:-1], bool) if pad is None else ~pad
+        rows, kept = xs.reshape(-1, c), keep.reshape(-1)
+        count = kept.sum()
+        psi2 = (rows[kept] ** 2).mean(0) if count else self.phi.copy()
+        t = self.iters + 1
+        z = xs / np.sqrt((psi2 if t <= self.warmup else self.phi) + self.eps)
+        y = z * self.w + self.b
+        phi = self.phi * (t - 1) / t + psi2 / t if t < self.warmup else self.phi
+        self.phi = self.af * phi + (1 - self.af) * psi2
+        self.iters = t
+        approx = dy * self.w - (1 - self.ab) * self.ema * z
+        self.ema = self.ema + (approx * z).reshape(-1, c)[kept].sum(0) / max(count, 1)
+        dxs = approx / np.sqrt(psi2 + self.eps)
+        if r is None:
+            dx = dxs
+        else:
+            shape = (*x.shape[:-1], self.groups, c // self.groups)
+            gs, ss = dxs.reshape(shape), xs.reshape(shape)
+            dx = ((gs - ss * (gs * ss).mean(-1, keepdims=True)) / r).reshape(x.shape)
+        dims = tuple(range(x.ndim - 1))
+        return y, dx, (dy * z).sum(dims), dy.sum(dims)
+
+
+def _np(t):
+    return t.detach().double().numpy()
+
+
+def _check_buffers(layer, oracle, dtype):
+    assert int(layer.num_batches_tracked) == oracle.iters
+    assert_close(layer.running_phi, torch.from_numpy(oracle.phi), dtype, "running_phi")
+    assert_grad_close(layer.ema_gz, torch.from_numpy(oracle.ema), dtype, "ema_gz")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("group_num", [None, 1, 2])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_training_steps_match_the_float64_oracle(dtype, group_num, padded):
+    b, t, c = 3, 5, 8
+    layer = PowerNorm(c, warmup_iters=2, group_num=group_num, alpha_fwd=0.8,
+                      alpha_bkw=0.7).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(c, generator=_gen(0)) + 0.5)
+        layer.bias.copy_(torch.randn(c, generator=_gen(1)))
+    oracle = Oracle(c, warmup_iters=2, group_num=group_num, alpha_fwd=0.8, alpha_bkw=0.7,
+                    weight=_np(layer.weight), bias=_np(layer.bias))
+    for step in range(5):  # steps 1-2 the warm-up, 3-5 the running statistic
+        x = (torch.randn(b, t, c, generator=_gen(10 + step), dtype=torch.float64) * 3
+             + 2).to(dtype).requires_grad_()
+        dy = torch.randn(b, t, c, generator=_gen(20 + step), dtype=torch.float64).to(dtype)
+        pad = None
+        if padded:
+            pad = torch.zeros(b, t, dtype=torch.bool)
+            pad[0, 3:] = True
+            pad[2, 1 + step % 3:] = True
+        layer.weight.grad = layer.bias.grad = None
+        y = layer(x, padding_mask=pad)
+        y.backward(dy)
+        ry, rdx, rdw, rdb = oracle.step(_np(x), _np(dy), None if pad is None else pad.numpy())
+        assert y.dtype == dtype
+        assert_close(y, torch.from_numpy(ry), dtype, f"y, step {step + 1}")
+        assert_grad_close(x.grad, torch.from_numpy(rdx), dtype, f"dx, step {step + 1}")
+        assert_grad_close(layer.weight.grad, torch.from_numpy(rdw), dtype, "dweight")
+        assert_grad_close(layer.bias.grad, torch.from_numpy(rdb), dtype, "dbias")
+        _check_buffers(layer, oracle, dtype)
+    layer.eval()
+    x = torch.randn(2, c, generator=_gen(30), dtype=torch.float64).to(dtype)
+    assert_close(layer(x), torch.from_numpy(oracle.eval(_np(x))), dtype, "eval")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_input_computes_in_float32(dtype):
+    c = 16
+    layer = PowerNorm(c, warmup_iters=1, group_num=4)
+    oracle = Oracle(c, warmup_iters=1, group_num=4)
+    for step in range(3):
+        x = (torch.randn(4, 6, c, generator=_gen(step)) * 2 + 1).to(dtype).requires_grad_()
+        dy = torch.randn(4, 6, c, generator=_gen(9 + step)).to(dtype)
+        y = layer(x)
+        y.backward(dy)
+        ry, rdx, _, _ = oracle.step(_np(x), _np(dy))
+        assert y.dtype == x.grad.dtype == dtype
+        assert_close(y, torch.from_numpy(ry), dtype)
+        assert_grad_close(x.grad, torch.from_numpy(rdx), dtype, "dx")
+    assert layer.running_phi.dtype == torch.float32
+    _check_buffers(layer, oracle, torch.float32)
+
+
+def test_padding_tokens_stay_out_of_the_statistics():
+    """The kept tokens of a padded batch are normalized, and their gradients computed,
+    exactly as the same tokens alone (as a (K, C) batch); padding values change
+    nothing but their own outputs."""
+    torch.manual_seed(0)
+    c = 6
+    x = torch.randn(3, 4, c, dtype=torch.float64) * 2
+    pad = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    garbage = x.clone()
+    garbage[pad] = 1e3
+    dy = torch.randn(3, 4, c, dtype=torch.float64)
+    dy[pad] = 0
+    results = []
+    for inp, mask in ((x, pad), (garbage, pad), (x[~pad], None)):
+        layer = PowerNorm(c, warmup_iters=1, group_num=2).double()
+        for _ in range(3):
+            leaf = inp.clone().requires_grad_()
+            y = layer(leaf, padding_mask=mask)
+            y.backward(dy if mask is not None else dy[~pad])
+        kept = (y, leaf.grad) if mask is None else (y[~pad], leaf.grad[~pad])
+        results.append((*kept, layer.running_phi.clone(), layer.ema_gz.clone()))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_batch_of_padding_only_changes_nothing():
+    layer = PowerNorm(4, warmup_iters=0).double()
+    with torch.no_grad():
+        layer.running_phi.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        layer.ema_gz.copy_(torch.tensor([0.5, -0.5, 0.1, 0.0]))
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    y = layer(x, padding_mask=torch.ones(2, 3, dtype=torch.bool))
+    y.sum().backward()
+    scaled = x / (x * x).mean(-1, keepdim=True).add(1e-5).sqrt()
+    torch.testing.assert_close(y, scaled / (layer.running_phi + 1e-5).sqrt())
+    torch.testing.assert_close(layer.running_phi, torch.tensor([1.0, 2.0, 3.0, 4.0],
+                                                                dtype=torch.float64))
+    torch.testing.assert_close(layer.ema_gz, torch.tensor([0.5, -0.5, 0.1, 0.0],
+                                                           dtype=torch.float64))
+    assert int(layer.num_batches_tracked) == 1
+
+
+def test_an_empty_batch_gives_an_empty_output_and_counts_nothing():
+    layer = PowerNorm(4)
+    x = torch.randn(0, 5, 4, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, 5, 4) and x.grad.shape == x.shape
+    assert int(layer.num_batches_tracked) == 0
+    assert torch.equal(layer.running_phi, torch.ones(4))
+
+
+def test_eval_normalizes_by_the_running_statistic_and_is_an_ordinary_derivative():
+    layer = PowerNorm(4, group_num=None).double().eval()
+    with torch.no_grad():
+        layer.running_phi.copy_(torch.tensor([4.0, 1.0, 0.25, 9.0]))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(layer(x), x / (layer.running_phi + 1e-5).sqrt())
+    assert torch.autograd.gradcheck(layer, (x,))
+    assert int(layer.num_batches_tracked) == 0
+
+
+def test_the_approximate_backward_is_not_differentiated_twice():
+    layer = PowerNorm(4)
+    x = torch.randn(3, 4, requires_grad=True)
+    (dx,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        dx.sum().backward()
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_matches_the_plain_run(reentrant):
+    """The recomputation normalizes as the first forward did (across the warm-up's end)
+    and updates nothing; ema_gz is updated once per backward."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), PowerNorm(8, warmup_iters=2),
+                                torch.nn.GELU(), torch.nn.Linear(8, 8))
+    ckpt = copy.deepcopy(plain)
+    for step in range(4):
+        x = torch.randn(4, 3, 8, generator=_gen(step))
+        plain(x).square().sum().backward()
+        checkpoint(ckpt, x.clone().requires_grad_(), use_reentrant=reentrant
+                   ).square().sum().backward()
+        for (name, a), b in zip(plain.named_buffers(), ckpt.buffers(), strict=True):
+            assert torch.equal(a, b), f"{name} after step {step + 1}"
+        for (name, a), b in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), f"{name}.grad after step {step + 1}"
+    assert int(ckpt[1].num_batches_tracked) == 4
+
+
+def test_the_authors_state_dict_loads():
+    """MaskPowerNorm's buffers: ``iters`` of shape (1,), running_phi and ema_gz of shape
+    (1, C, 1, 1)."""
+    c = 4
+    theirs = {"weight": torch.rand(c), "bias": torch.randn(c),
+              "running_phi": torch.rand(1, c, 1, 1) + 0.5,
+              "ema_gz": torch.randn(1, c, 1, 1), "iters": torch.tensor([7])}
+    layer = PowerNorm(c)
+    layer.load_state_dict(theirs)
+    assert int(layer.num_batches_tracked) == 7
+    assert torch.equal(layer.running_phi, theirs["running_phi"].view(c))
+    assert torch.equal(layer.ema_gz, theirs["ema_gz"].view(c))
+    assert theirs["iters"].shape == (1,)  # (the caller's dict is not changed)
+    again = PowerNorm(c)
+    again.load_state_dict(pickle.loads(pickle.dumps(layer.state_dict())))
+    for name, value in layer.state_dict().items():
+        assert torch.equal(again.state_dict()[name], value), name
+
+
+def test_a_module_cast_to_16_bits_keeps_working():
+    layer = PowerNorm(8, warmup_iters=1).to(torch.bfloat16)
+    assert layer.running_phi.dtype == torch.bfloat16
+    for _ in range(3):
+        x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+        layer(x).float().square().sum().backward()
+        assert torch.isfinite(x.grad.float()).all()
+    assert torch.isfinite(layer.ema_gz.float()).all()
+
+
+def test_fx_traces_it_as_a_leaf():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), PowerNorm(4))
+    traced = torch.fx.symbolic_trace(model)
+    assert [n.target for n in traced.graph.nodes if n.op == "call_module"] == ["0", "1"]
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(traced.eval()(x), model.eval()(x))
+
+
+def test_repr_and_defaults_follow_the_authors():
+    layer = PowerNorm(8)
+    assert repr(layer) == ("PowerNorm(8, eps=1e-05, alpha_fwd=0.9, alpha_bkw=0.9, "
+                           "affine=True, warmup_iters=10000, group_num=1)")
+    assert PowerNorm(8, affine=False).weight is None
+    assert normkit.get_norm_layer("powernorm", 8).num_features == 8
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: PowerNorm(0), "positive int num_features"),
+    (lambda: PowerNorm(8, group_num=3), "divides num_features=8, got 3"),
+    (lambda: PowerNorm(8, alpha_fwd=1.5), r"alpha_fwd in \[0, 1\]"),
+    (lambda: PowerNorm(8, alpha_bkw=-0.1), r"alpha_bkw in \[0, 1\]"),
+    (lambda: PowerNorm(8, warmup_iters=-1), "warmup_iters to be an int >= 0"),
+    (lambda: PowerNorm(8, eps=-1.0), "eps >= 0"),
+])
+def test_bad_arguments_are_named(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_inputs_are_named():
+    layer = PowerNorm(8)
+    with pytest.raises(ValueError, match=r"shape \(\*, 8\) \(channels last\), got input of "
+                                         r"shape \(2, 8, 5\)"):
+        layer(torch.randn(2, 8, 5))
+    with pytest.raises(ValueError, match="floating-point"):
+        layer(torch.ones(2, 8, dtype=torch.long))
+    x = torch.randn(5, 3, 8)  # (T, B, C)
+    with pytest.raises(TypeError, match="bool tensor .* got dtype torch.float32"):
+        layer(x, padding_mask=torch.zeros(5, 3))
+    with pytest.raises(ValueError, match=r"shape \(5, 3\) .* got \(3, 5\) -- a \(B, T\) mask "
+                                         r"for a \(T, B, C\) input: pass padding_mask.t\(\)"):
+        layer(x, padding_mask=torch.zeros(3, 5, dtype=torch.bool))
+    assert int(layer.num_batches_tracked) == 0
+
+
+def test_column_dot_sums_block_by_block():
+    from normkit.norms.power import BLOCK_ELEMENTS, column_dot
+
+    c = 200
+    n = 2 * (BLOCK_ELEMENTS // c) + 7  # two whole blocks and a partial one
+    a = torch.randn(n, c, generator=_gen(0), dtype=torch.float64)
+    b = torch.randn(n, c, generator=_gen(1), dtype=torch.float64)
+    keep = (torch.rand(n, 1, generator=_gen(2)) > 0.3).double()
+    torch.testing.assert_close(column_dot(a, b), (a * b).sum(0))
+    torch.testing.assert_close(column_dot(a, b, keep), (a * b * keep).sum(0))
+    assert column_dot(a[:0], b[:0]).tolist() == [0.0] * c
+
+
+def test_a_batch_of_many_blocks_matches_the_oracle():
+    c = 96
+    layer = PowerNorm(c, warmup_iters=1, group_num=4).double()
+    oracle = Oracle(c, warmup_iters=1, group_num=4)
+    for step in range(2):
+        x = torch.randn(9, 700, c, generator=_gen(step), dtype=torch.float64).requires_grad_()
+        dy = torch.randn(9, 700, c, generator=_gen(5 + step), dtype=torch.float64)
+        pad = torch.rand(9, 700, generator=_gen(7 + step)) > 0.8
+        y = layer(x, padding_mask=pad)
+        y.backward(dy)
+        ry, rdx, _, _ = oracle.step(_np(x), _np(dy), pad.numpy())
+        assert_close(y, torch.from_numpy(ry), torch.float64)
+        assert_grad_close(x.grad, torch.from_numpy(rdx), torch.float64, "dx")
+        _check_buffers(layer, oracle, torch.float64)
