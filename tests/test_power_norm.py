@@ -326,3 +326,19 @@ def test_a_batch_of_many_blocks_matches_the_oracle():
         assert_close(y, torch.from_numpy(ry), torch.float64)
         assert_grad_close(x.grad, torch.from_numpy(rdx), torch.float64, "dx")
         _check_buffers(layer, oracle, torch.float64)
+
+
+def test_column_dot_gives_both_sums_from_one_pass():
+    from normkit.norms.power import BLOCK_ELEMENTS, column_dot
+
+    c = 64
+    n = BLOCK_ELEMENTS // c + 3
+    a = torch.randn(n, c, generator=_gen(3), dtype=torch.float64)
+    b = torch.randn(n, c, generator=_gen(4), dtype=torch.float64)
+    keep = (torch.rand(n, 1, generator=_gen(5)) > 0.5).double()
+    weighted, plain = column_dot(a, b, keep, total=True)
+    torch.testing.assert_close(weighted, (a * b * keep).sum(0))
+    torch.testing.assert_close(plain, (a * b).sum(0))
+    weighted, plain = column_dot(a, b, None, total=True)
+    torch.testing.assert_close(weighted, plain)
+    torch.testing.assert_close(plain, (a * b).sum(0))

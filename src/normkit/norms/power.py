@@ -29,7 +29,7 @@ from torch.fx import Proxy
 
 from .. import _stats
 from .. import functional as F
-from ..kernels.memory import empty_like, out_like
+from ..kernels.memory import out_like
 from ._base import NotScriptable, fx_leaf
 from ._core import (
     check_floating,
@@ -52,12 +52,15 @@ GROUP_SCALING_EPS = 1e-5
 BLOCK_ELEMENTS = 1 << 18
 
 
-def column_dot(a: Tensor, b: Tensor, keep: Tensor | None = None) -> Tensor:
-    """``(a * b * keep).sum(0)`` of ``(N, C)`` tensors (``keep``: ``(N, 1)`` or ``None``),
-    block by block of rows, without the ``(N, C)`` product: on a 4096 x 4096 float32
-    input 6 ms against 40 ms for ``x.square().sum(0)``, which writes (and page-faults)
-    a tensor as large as the input. Under compilation, the plain expression (the
-    compiler fuses it).
+def column_dot(a: Tensor, b: Tensor, keep: Tensor | None = None, *,
+               total: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """``(a * b * keep).sum(0)`` of ``(N, C)`` tensors (``keep``: ``(N, 1)`` weights or
+    ``None``), block by block of rows, without the ``(N, C)`` product: on a 4096 x 4096
+    float32 input 6 ms against 40 ms for ``x.square().sum(0)``, which writes (and
+    page-faults) a tensor as large as the input. ``total=True`` returns the pair
+    ``(weighted, (a * b).sum(0))`` from the same pass (each block's product summed
+    plainly and through ``keep``'s row vector). Under compilation, the plain
+    expressions (the compiler fuses them).
 
     Example:
         >>> x = torch.arange(6.0).view(3, 2)
@@ -66,16 +69,21 @@ def column_dot(a: Tensor, b: Tensor, keep: Tensor | None = None) -> Tensor:
     """
     if compiling():
         product = a * b
-        return (product if keep is None else product * keep).sum(0)
+        plain = product.sum(0)
+        weighted = plain if keep is None else (product * keep).sum(0)
+        return (weighted, plain) if total else weighted
     n, c = a.shape
     rows = max(1, BLOCK_ELEMENTS // max(c, 1))
-    total = torch.zeros(c, dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    plain = torch.zeros(c, dtype=dtype, device=a.device)
+    weighted = plain if keep is None else torch.zeros(c, dtype=dtype, device=a.device)
     for start in range(0, n, rows):
         part = torch.mul(a[start:start + rows], b[start:start + rows])
+        if keep is None or total:
+            plain.add_(part.sum(0))
         if keep is not None:
-            part.mul_(keep[start:start + rows])
-        total.add_(part.sum(0))
-    return total
+            weighted.addmv_(part.t(), keep[start:start + rows, 0].to(dtype))
+    return (weighted, plain) if total else weighted
 
 
 class _PowerFunction(torch.autograd.Function):
@@ -95,38 +103,46 @@ class _PowerFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, xs, weight, bias, inv_fwd, inv_bwd, ema_gz, alpha_bkw, keep, count):
-        # xs: (N, C) rows; keep: (N, 1) or None
+    def forward(ctx, xs, weight, bias, inv_fwd, inv_bwd, ema_gz, alpha_bkw, keep, count,
+                squares):
+        # xs: (N, C) rows; keep: (N, 1) or None; squares: the sum of xs**2 over the
+        # counted rows
         scale = inv_fwd if weight is None else inv_fwd * weight.to(xs.dtype)
         y = (torch.mul(xs, scale, out=out_like(xs)) if bias is None
              else torch.addcmul(bias.to(xs.dtype), xs, scale, out=out_like(xs)))
-        ctx.save_for_backward(xs, weight, inv_fwd, inv_bwd, keep, count)
+        ctx.save_for_backward(xs, weight, inv_fwd, inv_bwd, keep, count, squares)
         ctx.ema_gz, ctx.alpha_bkw, ctx.has_bias = ema_gz, alpha_bkw, bias is not None
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        # z = xs * inv_fwd is not stored: every term in z is a per-channel factor times
-        # a term in xs, applied to the (C,) result (fewer passes over the tokens)
-        xs, weight, inv_fwd, inv_bwd, keep, count = ctx.saved_tensors
+        # With z = xs * inv_fwd and v = (1 - alpha_bkw) * u:
+        #   dx = (g w - v z) inv_bwd           = g (w inv_bwd) - xs (v inv_fwd inv_bwd)
+        #   u += mean_kept((g w - v z) z)      = (w inv_fwd sum_kept(g xs)
+        #                                         - v inv_fwd^2 sum_kept(xs^2)) / count
+        #   dweight = sum(g z)                 = inv_fwd sum(g xs)
+        # so one blocked pass gives every per-channel sum, and dx takes two passes
+        xs, weight, inv_fwd, inv_bwd, keep, count, squares = ctx.saved_tensors
         g = dy.to(xs.dtype)
-        approx = empty_like(xs, memory_format=torch.contiguous_format)
-        if weight is None:
-            approx.copy_(g)
-        else:
-            torch.mul(g, weight.to(xs.dtype), out=approx)
-        u = ctx.ema_gz.to(xs.dtype)
-        approx.addcmul_(xs, (ctx.alpha_bkw - 1.0) * u * inv_fwd)  # g w - (1 - a) u z
-        step = column_dot(approx, xs, keep).mul_(inv_fwd).div_(count.clamp(min=1))
+        w = None if weight is None else weight.to(xs.dtype)
+        v = (1.0 - ctx.alpha_bkw) * ctx.ema_gz.to(xs.dtype)
+        kept_gx, all_gx = column_dot(g, xs, keep, total=True)
+        # (kept_gx may be all_gx itself: per-channel vectors, out of place)
+        term = kept_gx * inv_fwd if w is None else kept_gx * (inv_fwd * w)
+        step = (term - v * inv_fwd.square() * squares) / count.clamp(min=1)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mul(g, inv_bwd if w is None else w * inv_bwd,
+                           out=out_like(xs, memory_format=torch.contiguous_format))
+            dx.addcmul_(xs, -(v * inv_fwd * inv_bwd))
         ctx.ema_gz.add_(step.to(ctx.ema_gz.dtype))
-        dx = approx.mul_(inv_bwd) if ctx.needs_input_grad[0] else None
         dw = db = None
         if weight is not None and ctx.needs_input_grad[1]:
-            dw = column_dot(g, xs).mul_(inv_fwd).to(weight.dtype)
+            dw = (all_gx * inv_fwd).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum(0).to(ctx.ema_gz.dtype if weight is None else weight.dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 class PowerNorm(NotScriptable, nn.Module):
@@ -373,7 +389,7 @@ class PowerNorm(NotScriptable, nn.Module):
         counted = count > 0
         # a batch with no token counted: its statistic is running_phi's (which the
         # updates below then leave as it is)
-        squares = column_dot(rows.detach(), rows.detach(), keep)
+        squares = column_dot(rows.detach(), rows.detach(), keep)  # (over counted rows)
         psi2 = torch.where(counted, squares / count.clamp(min=1), phi)
         step = self.num_batches_tracked + 1
         warm = step <= self.warmup_iters
@@ -385,5 +401,5 @@ class PowerNorm(NotScriptable, nn.Module):
             self.running_phi.copy_(self.alpha_fwd * averaged + (1 - self.alpha_fwd) * psi2)
             self.num_batches_tracked.add_(1)
         y = _PowerFunction.apply(rows, self.weight, self.bias, inv_fwd, inv_batch,
-                                 self.ema_gz, self.alpha_bkw, keep, count)
+                                 self.ema_gz, self.alpha_bkw, keep, count, squares)
         return y.view(input.shape).to(input.dtype)
