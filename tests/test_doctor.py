@@ -477,7 +477,7 @@ def test_infer_architecture_and_batch_size():
     encoder = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
     report = doctor(encoder, torch.randn(5, 6, 8))
     assert report.architecture == "transformer" and report.batch_size == 5
-    assert report.recommendation.alternatives == ("rms",)
+    assert report.recommendation.alternatives == ("rms", "pn")
     report = doctor(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), torch.randn(8, 4),
                     architecture="GAN")
     assert report.architecture == "gan" and report.recommendation.family == "in"
@@ -507,7 +507,7 @@ def test_example_batch_from_shape():
     (("rnn", 64), {}, "ln", ("wn",)),
     (("LSTM", 1), {}, "ln", ("wn",)),
     (("gru", 8), {}, "ln", ("wn",)),
-    (("transformer", 512), {}, "ln", ("rms",)),
+    (("transformer", 512), {}, "ln", ("rms", "pn")),
     (("mlp", 32), {}, "bn", ("ln",)),
     (("mlp", 8), {}, "ln", ("rms", "bn")),
     (("mlp", 64), {"sequence": True}, "ln", ("rms",)),

@@ -68,6 +68,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "rms": ("RMSNorm", "normkit.get_norm_layer('rms', d)"),
     "in": ("InstanceNorm", "normkit.InstanceNorm2d(C, affine=True)"),
     "wn": ("weight normalization", "normkit.weight_norm(layer) (no activation statistics)"),
+    "pn": ("PowerNorm", "normkit.get_norm_layer('pn', d) (tokens (*, d); padding_mask=)"),
 }
 
 _ALL = frozenset({"cnn", "mlp", "rnn", "transformer", "style"})
@@ -177,13 +178,17 @@ RULES: tuple[tuple[When, Choice], ...] = (
          "as reinforcement learning do not tolerate; weight normalization avoids data "
          "statistics altogether"))),
     (When(architectures=_archs("transformer")), Choice(
-        "ln", ("rms",),
+        "ln", ("rms", "pn"),
         (f"{_ARTICLE_BN_LN} §4.2: RNN/Transformer must use LN (LN has no train/inference "
          "difference and does not depend on the batch)",
          f"pre-norm, as in the encoder layer of {_ARTICLE_BN_LN} §3.2 (norm1 before "
          "self-attention, norm2 before the feed-forward block)",
          "RMSNorm is the cheaper alternative: 7-64 % less running time than LN at equal "
-         "quality (Zhang & Sennrich 2019)"))),
+         "quality (Zhang & Sennrich 2019)",
+         "where batch statistics are wanted, PowerNorm rather than BatchNorm: Shen et "
+         "al. 2020 find BatchNorm's batch statistics too unstable in NLP Transformers "
+         "and report PowerNorm matching or beating LN on translation and language "
+         "modelling (their claim; the lab does not test it)"))),
     (When(architectures=_archs("rnn")), Choice(
         "ln", ("wn",),
         (f"{_ARTICLE_BN_LN} §2.3 and §4.2: BN does not fit RNNs (statistics differ per time "
@@ -275,7 +280,7 @@ class Recommendation:
 
     ``family`` and ``alternatives`` are keys of :data:`FAMILIES` (``bn``, ``gn``,
     ``ln``, ``rms``, ``in``, ``syncbn``, ``batchrenorm``, ``frozenbn``, ``ln2d``,
-    ``wn``); :attr:`usage` says how to get the family in normkit.
+    ``wn``, ``pn``); :attr:`usage` says how to get the family in normkit.
 
     Example:
         >>> rec = recommend("cnn", 8)
@@ -383,7 +388,7 @@ def recommend(
     cnn, batch < 32, batch x world     ``syncbn``              ``gn``, ``batchrenorm``
     >= 32 (distributed)
     rnn / lstm / gru                   ``ln`` (LayerNormLSTM)  ``wn``
-    transformer                        ``ln`` (pre-norm)       ``rms``
+    transformer                        ``ln`` (pre-norm)       ``rms``, ``pn``
     mlp, batch >= 32                   ``bn``                  ``ln``
     mlp, batch < 32                    ``ln``                  ``rms``, ``bn``
     gan / style                        ``in``                  ``bn``, ``gn``
@@ -415,7 +420,7 @@ def recommend(
         >>> recommend("cnn", 8, distributed=True, world_size=8).family
         'syncbn'
         >>> recommend("Transformer", 16).alternatives
-        ('rms',)
+        ('rms', 'pn')
         >>> recommend("vit", 8)
         Traceback (most recent call last):
         ...
