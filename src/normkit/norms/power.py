@@ -59,15 +59,16 @@ def column_dot(a: Tensor, b: Tensor, keep: Tensor | None = None, *,
     float32 input 6 ms against 40 ms for ``x.square().sum(0)``, which writes (and
     page-faults) a tensor as large as the input. ``total=True`` returns the pair
     ``(weighted, (a * b).sum(0))`` from the same pass (each block's product summed
-    plainly and through ``keep``'s row vector). Under compilation, the plain
-    expressions (the compiler fuses them).
+    plainly and through ``keep``'s row vector). Under compilation (the compiler fuses
+    them) and off the CPU (one kernel each, on a caching allocator), the plain
+    expressions.
 
     Example:
         >>> x = torch.arange(6.0).view(3, 2)
         >>> column_dot(x, x), column_dot(x, x, torch.tensor([[1.0], [0.0], [1.0]]))
         (tensor([20., 35.]), tensor([16., 26.]))
     """
-    if compiling():
+    if compiling() or a.device.type != "cpu":
         product = a * b
         plain = product.sum(0)
         weighted = plain if keep is None else (product * keep).sum(0)
