@@ -49,6 +49,11 @@ LAYERS = {
     "AddRMSNorm": (lambda: normkit.AddRMSNorm(16), ((6, 16), (6, 16))),
     "LayerNormLSTMCell": (lambda: normkit.LayerNormLSTMCell(16, 8), (6, 16)),
     "LayerNormLSTM": (lambda: normkit.LayerNormLSTM(16, 8), (5, 3, 16)),
+    "PowerNorm": (lambda: normkit.PowerNorm(16, warmup_iters=1, group_num=4), (5, 3, 16)),
+    "AdaptiveLayerNorm": (lambda: normkit.AdaptiveLayerNorm(16, 6, zero_init=False),
+                          ((5, 3, 16), (5, 6))),
+    "AdaptiveGroupNorm": (lambda: normkit.AdaptiveGroupNorm(2, 4, 6, zero_init=False),
+                          ((3, 4, 5, 5), (3, 6))),
 }
 #: The layers ``oracle.reference_forward`` knows: checked against float64 too.
 ORACLE = {"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "LayerNorm", "RMSNorm", "LayerNorm2d",
@@ -68,8 +73,11 @@ def _inputs(name, seed, offset):
     shape = LAYERS[name][1]
     gen = torch.Generator().manual_seed(seed)
     shapes = shape if isinstance(shape[0], tuple) else (shape,)
-    return tuple((torch.randn(s, generator=gen, dtype=torch.float64) * 2 + offset).float()
-                 for s in shapes)
+    # (an adaptive layer's condition is not normalized: offset, its scale and shift
+    # would be ~1e4 and the output a float32 cancellation of them)
+    offsets = [offset] + [0.0 if name.startswith("Adaptive") else offset] * (len(shapes) - 1)
+    return tuple((torch.randn(s, generator=gen, dtype=torch.float64) * 2 + o).float()
+                 for s, o in zip(shapes, offsets, strict=True))
 
 
 def _first(out):

@@ -29,9 +29,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.fx import Proxy
 
 from .. import _stats
 from .. import functional as F
+from ._base import NotScriptable, fx_leaf
 from ._core import check_floating, shape_str
 from .group import GroupNorm
 from .layer import LayerNorm
@@ -39,7 +41,7 @@ from .layer import LayerNorm
 __all__ = ["AdaptiveLayerNorm", "AdaptiveGroupNorm", "adaptive_instance_norm"]
 
 
-class _Modulated(nn.Module):
+class _Modulated(NotScriptable, nn.Module):
     """A norm without affine, then ``* (1 + scale(c)) + shift(c)`` per sample."""
 
     features: int
@@ -122,6 +124,8 @@ class AdaptiveLayerNorm(_Modulated):
         self._init_modulation(cond_features, zero_init, device, dtype)
 
     def forward(self, x: Tensor, cond: Tensor) -> Tensor:
+        if isinstance(x, Proxy) or isinstance(cond, Proxy):
+            return fx_leaf(self, x, cond)
         if x.dim() < 2:
             raise ValueError(f"AdaptiveLayerNorm expected input of shape (N, *, "
                              f"{self.features}) with a batch dim, got {shape_str(x)}")
@@ -166,6 +170,8 @@ class AdaptiveGroupNorm(_Modulated):
         self._init_modulation(cond_features, zero_init, device, dtype)
 
     def forward(self, x: Tensor, cond: Tensor) -> Tensor:
+        if isinstance(x, Proxy) or isinstance(cond, Proxy):
+            return fx_leaf(self, x, cond)
         return self._modulate(self.norm(x), cond)
 
     def extra_repr(self) -> str:
