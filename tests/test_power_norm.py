@@ -342,3 +342,25 @@ def test_column_dot_gives_both_sums_from_one_pass():
     weighted, plain = column_dot(a, b, None, total=True)
     torch.testing.assert_close(weighted, plain)
     torch.testing.assert_close(plain, (a * b).sum(0))
+
+
+def test_torch_func_transforms_take_eval_mode_and_refuse_training_clearly():
+    import torch.autograd.forward_ad as fwad
+    from torch.func import grad, vmap
+
+    layer = PowerNorm(4, group_num=2)
+    with torch.no_grad():
+        layer.running_phi.copy_(torch.tensor([0.5, 1.0, 2.0, 4.0]))
+    xs = torch.randn(3, 5, 4, generator=_gen(0))
+    for run in (lambda: vmap(layer)(xs), lambda: grad(lambda x: layer(x).sum())(xs)):
+        with pytest.raises(RuntimeError, match="training mode cannot run under a torch.func "
+                                               "transform .* eval mode"):
+            run()
+    with fwad.dual_level(), pytest.raises(RuntimeError, match="forward-mode AD"):
+        layer(fwad.make_dual(xs, torch.ones_like(xs)))
+    assert int(layer.num_batches_tracked) == 0
+    layer.eval()
+    torch.testing.assert_close(vmap(layer)(xs), torch.stack([layer(x) for x in xs]))
+    leaf = xs.clone().requires_grad_()
+    layer(leaf).sum().backward()
+    torch.testing.assert_close(grad(lambda x: layer(x).sum())(xs), leaf.grad)

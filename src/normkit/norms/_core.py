@@ -204,6 +204,20 @@ def _faking() -> bool:
     return _dispatch_mode(_FAKE_MODE) is not None
 
 
+def transformed() -> bool:
+    """True inside a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``
+    ...) or forward-mode AD (``torch.autograd.forward_ad.dual_level``), outside
+    torch.compile's tracing: where a layer whose backward is not a derivative (PowerNorm's)
+    cannot run.
+
+    Example:
+        >>> transformed(), torch.func.vmap(lambda x: x * transformed())(torch.ones(2))
+        (False, tensor([1., 1.]))
+    """
+    return not torch.compiler.is_compiling() and (
+        _transforms_active() or _forward_ad.__dict__.get("_current_level", -1) >= 0)
+
+
 def without_data(t: Tensor) -> bool:
     """Whether ``t``'s values cannot be read: a meta tensor, or any tensor while a
     ``FakeTensorMode`` is active. Shape inference runs there; the few layer decisions

@@ -39,6 +39,7 @@ from ._core import (
     recomputing,
     restored_for_recomputation,
     shape_str,
+    transformed,
 )
 
 __all__ = ["PowerNorm", "column_dot"]
@@ -361,6 +362,13 @@ class PowerNorm(NotScriptable, nn.Module):
         if not self.training:
             inv = torch.rsqrt(self.running_phi.to(compute) + self.eps)
             return self._affine(xs * inv).to(input.dtype)
+        if transformed():
+            raise RuntimeError(
+                "PowerNorm in training mode cannot run under a torch.func transform (vmap, "
+                "grad, jacrev, ...) or forward-mode AD: its backward is an approximation, "
+                "not a derivative, and updates the buffer ema_gz, which a transform cannot "
+                "compose; call it outside the transform, or in eval mode (model.eval(): "
+                "plain differentiable operations on running_phi), which transforms accept")
         if input.numel() == 0:  # nothing to count: the statistics stay as they are
             return self._affine(xs).to(input.dtype)
         if recomputing():
