@@ -299,6 +299,9 @@ _SHAPE_INFERENCE = {
     "LayerNormLSTM": (lambda: normkit.LayerNormLSTM(16, 8, num_layers=2), (5, 3, 16)),
     "weight-normed Linear": (lambda: normkit.weight_norm(torch.nn.Linear(16, 8)), (6, 16)),
     "RMSNorm from 2^16 elements": (lambda: normkit.RMSNorm(1024), (128, 1024)),
+    "PowerNorm": (lambda: normkit.PowerNorm(16, warmup_iters=1, group_num=4), (5, 3, 16)),
+    "AdaptiveGroupNorm": (lambda: normkit.AdaptiveGroupNorm(2, 16, 6),
+                          ((8, 16, 20, 20), (8, 6))),
 }
 
 
