@@ -276,7 +276,8 @@ def test_repr_and_defaults_follow_the_authors():
     (lambda: PowerNorm(8, alpha_fwd=1.5), r"alpha_fwd in \[0, 1\]"),
     (lambda: PowerNorm(8, alpha_bkw=-0.1), r"alpha_bkw in \[0, 1\]"),
     (lambda: PowerNorm(8, warmup_iters=-1), "warmup_iters to be an int >= 0"),
-    (lambda: PowerNorm(8, eps=-1.0), "eps >= 0"),
+    (lambda: PowerNorm(8, eps=-1.0), "eps > 0"),
+    (lambda: PowerNorm(8, eps=0.0), r"eps > 0 \(a channel whose tokens are all 0"),
 ])
 def test_bad_arguments_are_named(make, match):
     with pytest.raises(ValueError, match=match):
