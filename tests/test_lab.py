@@ -244,3 +244,23 @@ def test_cli_run_writes_report_and_resumes(tmp_path):
     assert code == 0 and "1 already recorded" in err and "0 to run" in err
     code, out, _ = _cli("report", str(tmp_path))
     assert code == 0 and "Report:" in out
+
+
+def test_the_transformer_experiments_norms_are_what_they_say():
+    """BatchNorm over the batch's tokens is torch's BatchNorm1d on the (N*T, C) view
+    (output and running statistics); every norm of the classifier is the one named."""
+    import normkit
+    from normkit.lab.models import TokenBatchNorm, TransformerClassifier
+
+    x = torch.randn(4, 5, 6) * 3 + 1
+    ours, theirs = TokenBatchNorm(6), torch.nn.BatchNorm1d(6)
+    torch.testing.assert_close(ours(x), theirs(x.reshape(-1, 6)).view(4, 5, 6))
+    torch.testing.assert_close(ours.bn.running_var, theirs.running_var)
+    kinds = {"ln": normkit.LayerNorm, "bn": TokenBatchNorm, "pn": normkit.PowerNorm,
+             "none": torch.nn.Identity}
+    for name, cls in kinds.items():
+        model = TransformerClassifier(name, features=8, tokens=8, warmup_iters=3)
+        norms = [model.norm] + [m for b in model.blocks for m in (b.norm1, b.norm2)]
+        assert len(norms) == 5 and all(type(m) is cls for m in norms), name
+        if name == "pn":
+            assert {m.warmup_iters for m in norms} == {3}

@@ -10,8 +10,8 @@ See :func:`normkit.lab.cli.main` for the command line.
 Example:
     >>> from normkit.lab import experiment_names
     >>> experiment_names()
-    ['inputs', 'bn-learning-rate', 'batch-size', 'rnn', 'train-eval-gap', 'smoothness',
-     'weight-norm', 'norm-free', 'invariances', 'cost']
+    ['inputs', 'bn-learning-rate', 'batch-size', 'rnn', 'transformer', 'train-eval-gap',
+     'smoothness', 'weight-norm', 'norm-free', 'invariances', 'cost']
 """
 
 from __future__ import annotations

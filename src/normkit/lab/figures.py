@@ -20,7 +20,7 @@ __all__ = ["new_figure", "png_bytes", "COLORS", "errorbar_series"]
 COLORS = {
     "none": "tab:gray", "bn": "tab:blue", "brn": "tab:cyan", "gn": "tab:green",
     "ln": "tab:red", "rms": "tab:orange", "noisy_bn": "tab:purple", "wn": "tab:olive",
-    "wn_init": "tab:brown", "in": "tab:pink",
+    "wn_init": "tab:brown", "in": "tab:pink", "pn": "darkgoldenrod",
 }
 
 

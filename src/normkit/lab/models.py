@@ -25,12 +25,14 @@ from torch import Tensor, nn
 from ..norms.batch import BatchNorm1d, BatchNorm2d, BatchRenorm1d, BatchRenorm2d
 from ..norms.group import GroupNorm
 from ..norms.layer import LayerNorm, RMSNorm
+from ..norms.power import PowerNorm
 from ..recurrent import LayerNormLSTM
 from .core import GN_GROUPS
 
 __all__ = [
     "NORMS", "norm_layer", "mlp", "cnn", "NoisyBatchNorm1d", "resample_noise",
     "renorm_schedule", "BatchNormLSTM", "SequenceClassifier", "lstm_classifier",
+    "TokenBatchNorm", "TRANSFORMER_NORMS", "token_norm", "TransformerClassifier",
 ]
 
 NORMS = ("bn", "brn", "gn", "ln", "rms", "noisy_bn", "none")
@@ -288,3 +290,96 @@ def lstm_classifier(norm: str, input_size: int, hidden_size: int,
     else:
         raise ValueError(f"lstm_classifier expected norm 'none', 'ln' or 'bn', got {norm!r}")
     return SequenceClassifier(rnn, hidden_size, num_classes)
+
+
+class TokenBatchNorm(nn.Module):
+    """BatchNorm over the tokens of ``(N, T, C)``: each channel's statistics over every
+    token of the batch (``BatchNorm1d`` on the ``(N*T, C)`` view), as BatchNorm in a
+    Transformer computes them (Shen et al. 2020's baseline).
+
+    Example:
+        >>> y = TokenBatchNorm(4)(torch.randn(3, 5, 4) * 2 + 1)
+        >>> bool(y.reshape(-1, 4).mean(0).abs().max() < 1e-5)
+        True
+    """
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__()
+        self.bn = BatchNorm1d(num_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bn(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+#: The norms a :class:`TransformerClassifier` takes.
+TRANSFORMER_NORMS = ("none", "ln", "bn", "pn")
+
+
+def token_norm(name: str, d_model: int, *, warmup_iters: int = 0) -> nn.Module:
+    """A norm over the channels of ``(N, T, d_model)`` tokens: ``ln`` (LayerNorm per
+    token), ``bn`` (:class:`TokenBatchNorm`), ``pn`` (:class:`normkit.PowerNorm`, with
+    its group scaling over one group and ``warmup_iters`` steps of batch statistics) or
+    ``none``.
+
+    Example:
+        >>> token_norm("pn", 8, warmup_iters=30).warmup_iters
+        30
+    """
+    if name == "ln":
+        return LayerNorm(d_model)
+    if name == "bn":
+        return TokenBatchNorm(d_model)
+    if name == "pn":
+        return PowerNorm(d_model, warmup_iters=warmup_iters)
+    if name == "none":
+        return nn.Identity()
+    raise ValueError(f"token_norm expected one of {', '.join(TRANSFORMER_NORMS)}, got "
+                     f"{name!r}")
+
+
+class _EncoderBlock(nn.Module):
+    """Pre-norm: ``x + attn(norm1(x))``, then ``x + ff(norm2(x))``."""
+
+    def __init__(self, norm: str, d_model: int, heads: int, warmup_iters: int) -> None:
+        super().__init__()
+        self.norm1 = token_norm(norm, d_model, warmup_iters=warmup_iters)
+        self.attn = nn.MultiheadAttention(d_model, heads, batch_first=True)
+        self.norm2 = token_norm(norm, d_model, warmup_iters=warmup_iters)
+        self.ff = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.ReLU(),
+                                nn.Linear(2 * d_model, d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.ff(self.norm2(x))
+
+
+class TransformerClassifier(nn.Module):
+    """A small pre-norm Transformer encoder classifying ``(N, T, F)`` token sequences.
+
+    Each token (a digit's row of pixels) is embedded linearly with a learned position,
+    then ``depth`` encoder blocks as in the article's encoder layer (norm1 before the
+    self-attention, norm2 before the feed-forward block of width ``2 * d_model``), a
+    final norm, the mean over tokens, and a linear head. Every norm is ``norm`` (see
+    :func:`token_norm`).
+
+    Example:
+        >>> model = TransformerClassifier("bn", features=8, tokens=8, d_model=16)
+        >>> model(torch.randn(4, 8, 8)).shape
+        torch.Size([4, 10])
+    """
+
+    def __init__(self, norm: str, *, features: int, tokens: int, d_model: int = 32,
+                 depth: int = 2, heads: int = 4, num_classes: int = 10,
+                 warmup_iters: int = 0) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, d_model)
+        self.position = nn.Parameter(0.1 * torch.randn(tokens, d_model))
+        self.blocks = nn.Sequential(*(_EncoderBlock(norm, d_model, heads, warmup_iters)
+                                      for _ in range(depth)))
+        self.norm = token_norm(norm, d_model, warmup_iters=warmup_iters)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.blocks(self.embed(x) + self.position)
+        return self.head(self.norm(h).mean(1))

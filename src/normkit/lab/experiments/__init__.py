@@ -19,14 +19,15 @@ from .norm_free import NormFree
 from .rnn import RNN
 from .smoothness import Smoothness
 from .train_eval_gap import TrainEvalGap
+from .transformer import TransformerNorms
 from .weight_norm import WeightNormExperiment
 
 __all__ = ["EXPERIMENTS", "names", "get_experiment"]
 
 #: Every experiment, in the order of the report.
 EXPERIMENTS: tuple[Experiment, ...] = (
-    Inputs(), BNLearningRate(), BatchSize(), RNN(), TrainEvalGap(), Smoothness(),
-    WeightNormExperiment(), NormFree(), Invariances(), Cost(),
+    Inputs(), BNLearningRate(), BatchSize(), RNN(), TransformerNorms(), TrainEvalGap(),
+    Smoothness(), WeightNormExperiment(), NormFree(), Invariances(), Cost(),
 )
 
 
