@@ -159,6 +159,41 @@ def test_exported_program_holds_only_aten_operators(case, training):
 
 
 @needs_is_exporting
+@pytest.mark.parametrize("step", [0, 3, 7, 50], ids=lambda s: f"step{s}")
+def test_exported_batch_renorm_reads_its_step_count_in_the_graph(step):
+    """A training graph of Batch Renormalization (PT2E quantization-aware training exports
+    one): the clipping limits follow the step count in the graph -- in the warm-up (step
+    0), on both ramps (3), past the r ramp (7) and past both (50) -- so one program
+    computes, step after step, what the eager layer does: output, gradients, running
+    statistics and step count. (torch.export cannot read the step count, which the eager
+    layer does to set the limits.)"""
+    torch.manual_seed(0)
+    eager = normkit.BatchRenorm2d(4, warmup_steps=2, r_max_steps=6, d_max_steps=10)
+    with torch.no_grad():
+        eager.running_mean.normal_()
+        eager.running_var.uniform_(0.3, 3.0)
+        eager.weight.uniform_(0.5, 1.5)
+        eager.num_batches_tracked.fill_(step)
+    exported = copy.deepcopy(eager)
+    program = torch.export.export(copy.deepcopy(eager), _inputs("BatchRenorm2d", 0, 0.0))
+    module = program.module()
+    module.load_state_dict(exported.state_dict())
+    for k in range(3):  # (the same program at steps step, step + 1, step + 2)
+        x = _inputs("BatchRenorm2d", 10 + k, 1.0)[0] * 2
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = eager(xa), module(xb)
+        assert_close(yb, ya, torch.float32, f"output at step {step + k}")
+        dy = torch.randn_like(ya)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert_grad_close(xb.grad, xa.grad, torch.float32, f"input grad at step {step + k}")
+    for (name, a), b in zip(eager.named_buffers(), module.buffers(), strict=True):
+        torch.testing.assert_close(b, a, msg=name, **TOL[torch.float32])
+    for (name, a), b in zip(eager.named_parameters(), module.parameters(), strict=True):
+        assert_grad_close(b.grad, a.grad, torch.float32, name)
+
+
+@needs_is_exporting
 @pytest.mark.parametrize("name", ["LayerNorm", "BatchNorm2d", "GroupNorm", "LayerNorm2d",
                                   "AddLayerNorm", "BatchNormAct2d", "InstanceNorm2d"])
 def test_exported_program_takes_any_batch_size(name):

@@ -11,6 +11,7 @@ from .. import functional as F
 from ..kernels import channels, native
 from ._base import BackendMixin, NotScriptable, fx_leaf
 from ._core import (
+    _exporting,
     check_channels,
     check_floating,
     compiling,
@@ -491,6 +492,25 @@ class _BatchRenormForward(_BatchNormForward):
         return renorm_limits(step, self.r_max, self.d_max,
                              self.warmup_steps, self.r_max_steps, self.d_max_steps)
 
+    def _limit_tensors(self) -> tuple[Tensor, Tensor]:
+        """:meth:`current_limits` as float64 tensors computed from
+        ``num_batches_tracked`` (the same arithmetic as :func:`renorm_limits`), for a
+        graph that cannot read the step count: torch.export's. A step count past both
+        ramps gives the final limits, one in the warm-up exactly 1 and 0."""
+        if self.num_batches_tracked is None or self.running_mean is None:
+            self.current_limits()  # (raises, saying why)
+        step = self.num_batches_tracked.to(torch.float64)
+        warmup = self.warmup_steps
+
+        def ramp(start: float, end: float, end_step: int) -> Tensor:
+            value = torch.full_like(step, end)
+            if end_step > warmup:
+                value = torch.where(step >= end_step, value,
+                                    start + (end - start) * (step - warmup) / (end_step - warmup))
+            return torch.where(step < warmup, torch.full_like(step, start), value)
+
+        return ramp(1.0, self.r_max, self.r_max_steps), ramp(0.0, self.d_max, self.d_max_steps)
+
     def forward(self, input: Tensor) -> Tensor:
         if isinstance(input, Proxy):
             return fx_leaf(self, input)
@@ -512,11 +532,18 @@ class _BatchRenormForward(_BatchNormForward):
             return self._training_forward(input)
 
     def _training_forward(self, input: Tensor) -> Tensor:
-        r_max, d_max = self.current_limits()
-        if r_max == 1.0 and d_max == 0.0:
-            # the warm-up (or limits fixed at 1 and 0): r = 1 and d = 0 exactly, which is
-            # BatchNorm, statistics and running updates alike, so BatchNorm's paths serve
-            return super().forward(input)
+        if _exporting() and self.num_batches_tracked is not None:
+            # torch.export cannot read the step count: the limits as tensors and the
+            # renormalizing math at every step (in the warm-up r = 1 and d = 0 exactly:
+            # BatchNorm's output, running statistics alike)
+            r_max, d_max = self._limit_tensors()
+        else:
+            r_max, d_max = self.current_limits()
+            if r_max == 1.0 and d_max == 0.0:
+                # the warm-up (or limits fixed at 1 and 0): r = 1 and d = 0 exactly, which
+                # is BatchNorm, statistics and running updates alike, so BatchNorm's
+                # paths serve
+                return super().forward(input)
         self._check_input_dim(input)
         factor = self._momentum_factor()
         dims = (0, *range(2, input.dim()))
@@ -536,7 +563,8 @@ class _BatchRenormForward(_BatchNormForward):
         return torch.addcmul(shift.view(view), xhat, scale.view(view)).to(input.dtype)
 
     def _corrected_affine(self, mean: Tensor, rstd: Tensor, mean_lo: Tensor | None,
-                          r_max: float, d_max: float) -> tuple[Tensor, Tensor]:
+                          r_max: float | Tensor, d_max: float | Tensor
+                          ) -> tuple[Tensor, Tensor]:
         """``(weight * r, weight * d + bias)`` per channel from the batch's detached
         ``(C,)`` mean and ``1 / sqrt(var + eps)`` (``mean_lo``: the part of the mean its
         rounding dropped, or None), differentiable in ``weight`` and ``bias`` only (r and
@@ -545,6 +573,8 @@ class _BatchRenormForward(_BatchNormForward):
         inputs each costs about as much as the normalization."""
         running_mean = read_before_update(self.running_mean)  # (updated after)
         running_var = read_before_update(self.running_var)
+        if isinstance(r_max, Tensor):  # (torch.export: the limits as tensors)
+            r_max, d_max = r_max.to(mean.dtype), d_max.to(mean.dtype)
         inv_sigma = torch.add(running_var.to(mean.dtype), self.eps).rsqrt_()
         r = torch.div(inv_sigma, rstd).clamp_(1.0 / r_max, r_max)
         if mean_lo is None:
