@@ -365,3 +365,88 @@ def test_torch_func_transforms_take_eval_mode_and_refuse_training_clearly():
     leaf = xs.clone().requires_grad_()
     layer(leaf).sum().backward()
     torch.testing.assert_close(grad(lambda x: layer(x).sum())(xs), leaf.grad)
+
+
+class _NormsCalledPlainly(torch.nn.Module):
+    """A model that calls its norms as ``norm(x)`` (torch's and Hugging Face's layers),
+    or, with ``explicit``, passes them the mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = PowerNorm(6, warmup_iters=1), PowerNorm(6, warmup_iters=1)
+        self.lin = torch.nn.Linear(6, 6)
+
+    def forward(self, x, mask=None):
+        h = self.a(x) if mask is None else self.a(x, padding_mask=mask)
+        h = self.lin(h)
+        return self.b(h) if mask is None else self.b(h, padding_mask=mask)
+
+
+def test_the_padding_mask_context_reaches_norms_called_without_one():
+    torch.manual_seed(0)
+    plain = _NormsCalledPlainly()
+    explicit = copy.deepcopy(plain)
+    pad = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    for step in range(3):
+        x = torch.randn(3, 4, 6, generator=_gen(step)) * 2
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with normkit.padding_mask(pad):
+            ya = plain(xa)
+        yb = explicit(xb, pad)
+        assert torch.equal(ya, yb)
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+        assert torch.equal(xa.grad, xb.grad)
+    for (name, a), b in zip(plain.named_buffers(), explicit.buffers(), strict=True):
+        assert torch.equal(a, b), name
+    unmasked = copy.deepcopy(explicit)
+    x = torch.randn(3, 4, 6, generator=_gen(9))
+    unmasked(x), explicit(x, pad)
+    assert not torch.equal(unmasked.a.running_phi, explicit.a.running_phi)  # (it matters)
+
+
+def test_the_padding_mask_context_nests_restores_and_yields_to_an_argument():
+    layer = PowerNorm(4, warmup_iters=5)
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    pad[0, 1:] = True
+    x = torch.randn(2, 3, 4, generator=_gen(0))
+    want = copy.deepcopy(layer)(x, padding_mask=pad)
+    nopad = copy.deepcopy(layer)(x)
+    assert not torch.equal(want, nopad)  # (in the warm-up the mask changes the output)
+    with normkit.padding_mask(pad):
+        torch.testing.assert_close(copy.deepcopy(layer)(x), want)
+        with normkit.padding_mask(None):  # off inside
+            torch.testing.assert_close(copy.deepcopy(layer)(x), nopad)
+        torch.testing.assert_close(copy.deepcopy(layer)(x), want)
+        other = torch.zeros(2, 3, dtype=torch.bool)  # an explicit argument wins
+        torch.testing.assert_close(copy.deepcopy(layer)(x, padding_mask=other), nopad)
+    with pytest.raises(RuntimeError, match="boom"), normkit.padding_mask(pad):
+        raise RuntimeError("boom")
+    torch.testing.assert_close(copy.deepcopy(layer)(x), nopad)  # (restored: no mask)
+
+
+def test_the_padding_mask_context_names_a_layer_it_does_not_fit():
+    pad = torch.zeros(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="bool tensor .* attention_mask == 0"):
+        with normkit.padding_mask(torch.ones(2, 3)):
+            pass
+    with normkit.padding_mask(pad), pytest.raises(
+            ValueError, match=r"shape \(2\) .* got \(2, 3\) \(the mask of "
+                              r"normkit.padding_mask\(...\), which every PowerNorm"):
+        PowerNorm(4)(torch.randn(2, 4))  # (a pooled (B, C) input)
+
+
+def test_the_padding_mask_context_under_torch_compile():
+    torch._dynamo.reset()
+    layer = PowerNorm(4, warmup_iters=1)
+    twin = copy.deepcopy(layer)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for step, cut in enumerate((1, 2, None, 3)):
+        x = torch.randn(2, 4, 4, generator=_gen(step))
+        pad = torch.zeros(2, 4, dtype=torch.bool)
+        if cut is not None:
+            pad[0, cut:] = True
+        with normkit.padding_mask(None if cut is None else pad):
+            got = compiled(x)
+        torch.testing.assert_close(got, twin(x, padding_mask=None if cut is None else pad))
+    torch.testing.assert_close(layer.running_phi, twin.running_phi)

@@ -39,7 +39,7 @@ from .norms.fused import (
 from .norms.group import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .norms.layer import LayerNorm, LayerNorm2d, RMSNorm
 from .norms.mean_only import MeanOnlyBatchNorm1d, MeanOnlyBatchNorm2d
-from .norms.power import PowerNorm
+from .norms.power import PowerNorm, padding_mask
 from .norms.sync import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from .recurrent import LayerNormLSTM, LayerNormLSTMCell
 from .registry import default_num_groups, get_norm_layer, norm_names, register_norm
@@ -111,6 +111,7 @@ __all__ = [
     "MeanOnlyBatchNorm1d",
     "MeanOnlyBatchNorm2d",
     "PowerNorm",
+    "padding_mask",
     "convert_norms",
     "patch",
     "unpatch",

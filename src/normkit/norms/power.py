@@ -20,7 +20,10 @@ backward divided by the batch's quadratic mean.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import threading
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -42,10 +45,53 @@ from ._core import (
     transformed,
 )
 
-__all__ = ["PowerNorm", "column_dot"]
+__all__ = ["PowerNorm", "padding_mask", "column_dot"]
 
 #: The group scaling's epsilon: fixed, as in the authors' ``GroupScaling1D``.
 GROUP_SCALING_EPS = 1e-5
+
+#: The mask of :func:`padding_mask`, per thread (a ``threading.local``, which
+#: torch.compile traces; it cannot trace a ``contextvars.ContextVar``).
+_CONTEXT = threading.local()
+
+
+@contextlib.contextmanager
+def padding_mask(mask: Tensor | None) -> Iterator[Tensor | None]:
+    """Inside, every :class:`PowerNorm` called without ``padding_mask=`` takes ``mask``
+    (bool, ``True`` at padding): for models that call their norms as ``norm(x)``
+    (``torch.nn.TransformerEncoderLayer``, Hugging Face models after
+    ``normkit.convert_norms(model, "pn")``), whose padding would otherwise enter the
+    statistics. A Hugging Face ``attention_mask`` (1 at tokens, 0 at padding) is
+    ``attention_mask == 0``. Every PowerNorm called inside must see inputs whose shape
+    without the last dim is the mask's (a ValueError names the layer's input shape
+    otherwise); an explicit ``padding_mask=`` argument wins. Nests (``None`` turns it
+    off inside); per thread; works under torch.compile.
+
+    Example:
+        >>> import torch, normkit
+        >>> layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        >>> layer = normkit.convert_norms(layer, "pn", warmup_iters=100)
+        >>> x = torch.randn(3, 5, 8)
+        >>> pad = torch.zeros(3, 5, dtype=torch.bool)
+        >>> pad[0, 2:] = True
+        >>> with normkit.padding_mask(pad):
+        ...     y = layer(x, src_key_padding_mask=pad)  # attention and norms skip the pads
+        >>> y.shape
+        torch.Size([3, 5, 8])
+    """
+    if mask is not None and (not isinstance(mask, Tensor) or mask.dtype != torch.bool
+                             or mask.dim() == 0):
+        got = (f"dtype {mask.dtype}, shape {shape_str(mask)}" if isinstance(mask, Tensor)
+               else type(mask).__name__)
+        raise TypeError(f"normkit.padding_mask expected a bool tensor of the tokens' shape "
+                        f"(True at padding; a Hugging Face attention_mask is "
+                        f"attention_mask == 0) or None, got {got}")
+    previous = getattr(_CONTEXT, "mask", None)
+    _CONTEXT.mask = mask
+    try:
+        yield mask
+    finally:
+        _CONTEXT.mask = previous
 
 
 #: Elements per block of :func:`column_dot` (1 MiB of float32: the block's product stays
@@ -189,7 +235,9 @@ class PowerNorm(NotScriptable, nn.Module):
     ``True`` at padding: torch's ``key_padding_mask`` convention, so ``(B, T)`` for a
     batch-first ``(B, T, C)`` input) keeps padding tokens out of the statistics; they
     are still normalized (by the same :math:`\psi^2`). A batch with no token counted
-    normalizes by ``running_phi`` and leaves it as it is.
+    normalizes by ``running_phi`` and leaves it as it is. For a model that calls its
+    norms as ``norm(x)``, :func:`normkit.padding_mask` gives every PowerNorm inside a
+    ``with`` block the mask.
 
     **Precision.** Statistics and the arithmetic in float32 (float64 for float64
     input); the output in the input's dtype. No step reads a value back to the host
@@ -319,7 +367,8 @@ class PowerNorm(NotScriptable, nn.Module):
                 state_dict[prefix + name] = value.reshape(self.num_features)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _check_inputs(self, input: Tensor, padding_mask: Tensor | None) -> None:
+    def _check_inputs(self, input: Tensor, padding_mask: Tensor | None,
+                      from_context: bool = False) -> None:
         check_floating(input, "PowerNorm")
         if input.dim() == 0 or input.shape[-1] != self.num_features:
             raise ValueError(f"PowerNorm expected input of shape (*, {self.num_features}) "
@@ -337,6 +386,10 @@ class PowerNorm(NotScriptable, nn.Module):
             if padding_mask.dim() == 2 and tuple(padding_mask.shape) == lead[::-1]:
                 hint = (" -- a (B, T) mask for a (T, B, C) input: pass "
                         "padding_mask.t()")
+            if from_context:
+                hint += (" (the mask of normkit.padding_mask(...), which every PowerNorm "
+                         "called inside takes: call this layer outside it, or pass it "
+                         "padding_mask= explicitly)")
             raise ValueError(f"PowerNorm expected padding_mask of shape "
                              f"({', '.join(map(str, lead))}) (the input's shape without "
                              f"the last dim), got {shape_str(padding_mask)}{hint}")
@@ -357,7 +410,10 @@ class PowerNorm(NotScriptable, nn.Module):
         if isinstance(input, Proxy):
             return fx_leaf(self, input) if padding_mask is None else fx_leaf(
                 self, input, padding_mask)
-        self._check_inputs(input, padding_mask)
+        from_context = padding_mask is None and getattr(_CONTEXT, "mask", None) is not None
+        if from_context:
+            padding_mask = _CONTEXT.mask
+        self._check_inputs(input, padding_mask, from_context)
         compute = _stats.compute_dtype(input.dtype)
         xs = self._scaled(input, compute)
         if not self.training:
