@@ -450,3 +450,22 @@ def test_the_padding_mask_context_under_torch_compile():
             got = compiled(x)
         torch.testing.assert_close(got, twin(x, padding_mask=None if cut is None else pad))
     torch.testing.assert_close(layer.running_phi, twin.running_phi)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointing_recomputes_with_the_context_mask_of_the_first_forward(reentrant):
+    """The backward (and so the recomputation) runs after the ``with`` block."""
+    torch.manual_seed(0)
+    plain = _NormsCalledPlainly()
+    ckpt = copy.deepcopy(plain)
+    pad = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    for step in range(3):  # (warm-up, then the running statistic)
+        x = torch.randn(3, 4, 6, generator=_gen(step)) * 2
+        plain(x, pad).square().sum().backward()
+        with normkit.padding_mask(pad):
+            y = checkpoint(ckpt, x.clone().requires_grad_(), use_reentrant=reentrant)
+        y.square().sum().backward()
+        for (name, a), b in zip(plain.named_buffers(), ckpt.buffers(), strict=True):
+            assert torch.equal(a, b), f"{name} after step {step + 1}"
+        for (name, a), b in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), f"{name}.grad after step {step + 1}"

@@ -38,6 +38,7 @@ from ._core import (
     check_floating,
     compiling,
     keep_for_recomputation,
+    may_be_recomputed,
     read_before_update,
     recomputing,
     restored_for_recomputation,
@@ -62,10 +63,12 @@ def padding_mask(mask: Tensor | None) -> Iterator[Tensor | None]:
     (``torch.nn.TransformerEncoderLayer``, Hugging Face models after
     ``normkit.convert_norms(model, "pn")``), whose padding would otherwise enter the
     statistics. A Hugging Face ``attention_mask`` (1 at tokens, 0 at padding) is
-    ``attention_mask == 0``. Every PowerNorm called inside must see inputs whose shape
-    without the last dim is the mask's (a ValueError names the layer's input shape
-    otherwise); an explicit ``padding_mask=`` argument wins. Nests (``None`` turns it
-    off inside); per thread; works under torch.compile.
+    ``attention_mask == 0``. Every PowerNorm called inside in training must see inputs
+    whose shape without the last dim is the mask's (a ValueError names the layer's input
+    shape otherwise; in eval the mask plays no part); an explicit ``padding_mask=``
+    argument wins. Nests (``None`` turns it off inside); per thread; works under
+    torch.compile and under activation checkpointing, whose recomputation in the
+    backward (outside the block) takes the mask the first forward took.
 
     Example:
         >>> import torch, normkit
@@ -367,6 +370,22 @@ class PowerNorm(NotScriptable, nn.Module):
                 state_dict[prefix + name] = value.reshape(self.num_features)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def _padding_of_this_call(self, padding_mask: Tensor | None
+                              ) -> tuple[Tensor | None, bool]:
+        """``(mask, whether it came from normkit.padding_mask)``. Activation
+        checkpointing recomputes a forward in the backward, usually outside the ``with``
+        block: the recomputation takes the context's mask its first forward took (kept
+        where the forward may be recomputed)."""
+        if padding_mask is not None or not self.training:
+            return padding_mask, False
+        if recomputing():
+            kept = self.__dict__.get("_context_mask")
+            return kept, kept is not None
+        context = getattr(_CONTEXT, "mask", None)
+        if not compiling() and may_be_recomputed():
+            self.__dict__["_context_mask"] = context
+        return context, context is not None
+
     def _check_inputs(self, input: Tensor, padding_mask: Tensor | None,
                       from_context: bool = False) -> None:
         check_floating(input, "PowerNorm")
@@ -410,9 +429,7 @@ class PowerNorm(NotScriptable, nn.Module):
         if isinstance(input, Proxy):
             return fx_leaf(self, input) if padding_mask is None else fx_leaf(
                 self, input, padding_mask)
-        from_context = padding_mask is None and getattr(_CONTEXT, "mask", None) is not None
-        if from_context:
-            padding_mask = _CONTEXT.mask
+        padding_mask, from_context = self._padding_of_this_call(padding_mask)
         self._check_inputs(input, padding_mask, from_context)
         compute = _stats.compute_dtype(input.dtype)
         xs = self._scaled(input, compute)
