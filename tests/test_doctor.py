@@ -690,3 +690,17 @@ def test_power_norm_is_diagnosed_with_its_statistics_and_buffers():
     assert "train-under-no-grad" in codes(report)  # (validation would update running_phi)
     message = finding(report, "invalid-state").message
     assert "running_phi has 1 NaN/Inf" in message and "running_phi has 1 negative" in message
+
+
+def test_power_norm_in_eval_with_a_running_statistic_off_the_batch_is_stale():
+    model = nn.Sequential(nn.Linear(8, 16), normkit.PowerNorm(16, group_num=None))
+    tokens = torch.randn(6, 5, 8) * 10
+    w = finding(doctor(model.eval(), tokens), "stale-running-stats")
+    assert "running quadratic mean (running_phi)" in w.message
+    assert "num_batches_tracked is 0" in w.message
+    model.train()
+    for _ in range(60):  # (running_phi follows the batches: 0.9 ** 60 of the start left)
+        model(torch.randn(6, 5, 8) * 10)
+    report = doctor(model.eval(), tokens)
+    assert "stale-running-stats" not in codes(report)
+    assert report.layers[0].running.var_ratio_gmean == pytest.approx(1.0, rel=0.5)

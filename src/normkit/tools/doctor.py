@@ -368,6 +368,31 @@ class RunningCheck:
         return cls(float(z.max()), rms, float(ratios.min()), float(ratios.max()), gmean,
                    tracked)
 
+    @classmethod
+    def of_power_norm(cls, module: nn.Module, x: Tensor) -> RunningCheck | None:
+        """A :class:`normkit.PowerNorm`'s running quadratic mean against its input's:
+        ``var_ratio_*`` compare the batch's mean of squares of the (group-scaled)
+        input per channel with ``running_phi``; there is no mean, so the shifts are 0.
+
+        Example:
+            >>> import normkit
+            >>> pn = normkit.PowerNorm(2, group_num=None).eval()
+            >>> c = RunningCheck.of_power_norm(pn, torch.tensor([[2.0, 1.0], [2.0, 1.0]]))
+            >>> c.var_ratio_min, c.var_ratio_max
+            (1.0, 4.0)
+        """
+        if x.dim() == 0 or x.shape[-1] != module.num_features or x.numel() == 0:
+            return None
+        with torch.no_grad():
+            xs = module._scaled(x.detach(), _stats.compute_dtype(x.dtype))
+            psi2 = xs.reshape(-1, module.num_features).square().mean(0)
+            ratios = psi2 / module.running_phi.to(psi2.dtype)
+        if not bool(torch.isfinite(ratios).all()) or bool((ratios <= 0).any()):
+            return None
+        gmean = float(_stats.moments(ratios.log(), (0,)).mean.exp())
+        return cls(0.0, 0.0, float(ratios.min()), float(ratios.max()), gmean,
+                   int(module.num_batches_tracked))
+
 
 @dataclass(frozen=True)
 class GammaStats:
@@ -544,7 +569,8 @@ def _row(layer: LayerReport) -> tuple[str, ...]:
             "-" if layer.family == "own" else str(layer.values_per_stat),
             _fmt(get(layer.input, "mean")),
             _fmt(get(layer.input, "std")), _fmt(get(layer.output, "mean")),
-            _fmt(get(layer.output, "std")), _fmt(get(layer.running, "mean_shift_rms")),
+            _fmt(get(layer.output, "std")),
+            "-" if layer.family == "powernorm" else _fmt(get(layer.running, "mean_shift_rms")),
             _fmt(get(layer.running, "var_ratio_gmean")), _fmt(get(layer.gamma, "min_abs")))
 
 
@@ -919,7 +945,8 @@ def _measure(name: str, module: nn.Module, family: str, kind: str, x: Tensor,
     with torch.no_grad():
         values, axis = _layout(module, kind, x)
         running = (RunningCheck.of(module, x)
-                   if family in _BATCH_FAMILIES or family == "frozenbn" else None)
+                   if family in _BATCH_FAMILIES or family == "frozenbn" else
+                   RunningCheck.of_power_norm(module, x) if family == "powernorm" else None)
         return _Call(
             name=name, module=module, family=family, kind=kind,
             mode="train" if module.training else "eval",
@@ -994,7 +1021,20 @@ def _diagnose(call: _Call, output: TensorStats | None) -> list[tuple[str, str, s
                       "normkit.update_bn_stats(model, train_loader)"))
     run = call.running
     finite = inp is not None and not inp.nonfinite
-    if call.statistics == "running" and run is not None and finite:
+    if (call.family == "powernorm" and call.statistics == "running" and run is not None
+            and finite and not 1.0 / STALE_VAR_RATIO <= run.var_ratio_gmean <= STALE_VAR_RATIO):
+        message = (f"this PowerNorm normalizes by a running quadratic mean (running_phi) "
+                   f"that does not match this batch: batch/running mean-square ratio "
+                   f"{run.var_ratio_gmean:.3g} (geometric mean over channels; "
+                   f"{run.var_ratio_min:.3g}..{run.var_ratio_max:.3g}; limits "
+                   f"{1 / STALE_VAR_RATIO:g}..{STALE_VAR_RATIO:g})")
+        if run.num_batches_tracked == 0:
+            message += "; num_batches_tracked is 0: running_phi was never updated (ones)"
+        found.append(("stale-running-stats", message,
+                      "train the model (running_phi follows the batches, alpha_fwd per "
+                      "step) before evaluating it, or check that this batch is "
+                      "preprocessed like the training data"))
+    elif call.statistics == "running" and run is not None and finite:
         limit = max(STALE_SHIFT, 3.0 / math.sqrt(max(call.batch, 1)))
         var_off = run.var_ratio_gmean is not None and not (
             1.0 / STALE_VAR_RATIO <= run.var_ratio_gmean <= STALE_VAR_RATIO)
