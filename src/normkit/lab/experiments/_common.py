@@ -12,10 +12,10 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from ..core import TARGET_FRACTION, Analysis
-from ..training import steps_to_target
+from ..training import steps_to_target, train_classifier
 
 __all__ = ["group_by", "mean", "sd", "fmt_pm", "target_steps", "complete_seeds", "pct",
-           "begin_analysis"]
+           "begin_analysis", "train_configured"]
 
 
 def group_by(records: Iterable[dict], field: str) -> dict:
@@ -124,3 +124,26 @@ def target_steps(results: dict[str, dict], budget: int) -> tuple[float, dict[str
         reached[name] = s
         used[name] = s if s is not None and s > 0 else (budget + interval if s is None else 1)
     return target, reached, used
+
+
+def train_configured(model, data, config: dict, seed: int, on_step=None, *,
+                     optimizer: str = "adam", **options) -> dict:
+    """:func:`normkit.lab.training.train_classifier` with the ``steps``, ``batch_size``,
+    ``lr`` and ``evals`` of an experiment's ``config``, and the test-set size the
+    verdicts' resolution needs (``n_test``) added to its result.
+
+    Example:
+        >>> import torch
+        >>> from normkit.lab.datasets import digits
+        >>> config = {"steps": 2, "batch_size": 8, "lr": 1e-3, "evals": 1}
+        >>> out = train_configured(torch.nn.Sequential(torch.nn.Flatten(),
+        ...                        torch.nn.Linear(64, 10)), digits(0, "flat"), config, 0)
+        >>> out["n_test"], out["steps_run"]
+        (450, 2)
+    """
+    out = train_classifier(model, data, steps=config["steps"],
+                           batch_size=config["batch_size"], lr=config["lr"], seed=seed,
+                           optimizer=optimizer, evals=config["evals"], on_step=on_step,
+                           **options)
+    out["n_test"] = data.n_test
+    return out

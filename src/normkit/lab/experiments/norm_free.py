@@ -29,9 +29,8 @@ from ...norms.batch import BatchNorm2d
 from ...weights import activation_gain, weight_standardization
 from ..core import ARTICLE_BN_LN, BASE_BATCH, BASE_LR, Experiment, Table, module_summary
 from ..datasets import digits
-from ..training import train_classifier
 from ..verdict import RESOLUTION, Check, log2_ratio, points_resolution
-from ._common import begin_analysis, fmt_pm, mean
+from ._common import begin_analysis, fmt_pm, mean, train_configured
 
 __all__ = ["NormFree", "deep_cnn"]
 
@@ -115,12 +114,8 @@ class NormFree(Experiment):
         data = digits(seed, "images")
         torch.manual_seed(seed)
         model = deep_cnn(config["net"])
-        out = train_classifier(model, data, steps=config["steps"],
-                               batch_size=config["batch_size"], lr=config["lr"], seed=seed,
-                               optimizer="sgd", evals=config["evals"], agc=config["agc"],
-                               on_step=on_step)
-        out["n_test"] = data.n_test
-        return out
+        return train_configured(model, data, config, seed, on_step, optimizer="sgd",
+                                agc=config["agc"])
 
     def analyze(self, records):
         """Test accuracy and last-interval training loss; the two claims."""

@@ -23,9 +23,8 @@ from __future__ import annotations
 from ..core import ADAM_LR, BASE_BATCH, Analysis, Cell, Experiment, Table, module_summary
 from ..datasets import digits
 from ..models import lstm_classifier
-from ..training import train_classifier
 from ..verdict import RESOLUTION, Check, log2_ratio, points_resolution
-from ._common import complete_seeds, fmt_pm, mean, target_steps
+from ._common import complete_seeds, fmt_pm, mean, target_steps, train_configured
 
 __all__ = ["RNN"]
 
@@ -81,11 +80,7 @@ class RNN(Experiment):
         data = digits(seed, config["task"])
         torch.manual_seed(seed)
         model = lstm_classifier(config["norm"], data.x_train.shape[-1], config["hidden"])
-        out = train_classifier(model, data, steps=config["steps"],
-                               batch_size=config["batch_size"], lr=config["lr"], seed=seed,
-                               optimizer="adam", evals=config["evals"], on_step=on_step)
-        out["n_test"] = data.n_test
-        return out
+        return train_configured(model, data, config, seed, on_step)
 
     def analyze(self, records):
         """Steps to the target and final errors; the two claims and a cell."""

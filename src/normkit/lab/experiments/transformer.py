@@ -25,9 +25,8 @@ from __future__ import annotations
 from ..core import ADAM_LR, ARTICLE_BN_LN, Cell, Experiment, Table, module_summary
 from ..datasets import digits
 from ..models import TRANSFORMER_NORMS, TransformerClassifier
-from ..training import train_classifier
 from ..verdict import Check, points_resolution
-from ._common import begin_analysis, fmt_pm, mean
+from ._common import begin_analysis, fmt_pm, mean, train_configured
 
 __all__ = ["TransformerNorms"]
 
@@ -81,11 +80,7 @@ class TransformerNorms(Experiment):
         model = TransformerClassifier(config["norm"], features=data.x_train.shape[-1],
                                       tokens=data.x_train.shape[1],
                                       warmup_iters=config["warmup_iters"])
-        out = train_classifier(model, data, steps=config["steps"],
-                               batch_size=config["batch_size"], lr=config["lr"], seed=seed,
-                               optimizer="adam", evals=config["evals"], on_step=on_step)
-        out["n_test"] = data.n_test
-        return out
+        return train_configured(model, data, config, seed, on_step)
 
     def analyze(self, records):
         """Final test errors per batch size; the two claims and a cell."""
