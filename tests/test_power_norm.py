@@ -301,10 +301,11 @@ def test_bad_inputs_are_named():
 
 
 def test_column_dot_sums_block_by_block():
-    from normkit.norms.power import BLOCK_ELEMENTS, column_dot
+    from normkit.kernels.channels import COLUMN_BLOCK_BYTES
+    from normkit.norms.power import column_dot
 
     c = 200
-    n = 2 * (BLOCK_ELEMENTS // c) + 7  # two whole blocks and a partial one
+    n = 2 * (COLUMN_BLOCK_BYTES // (c * 8)) + 7  # two whole float64 blocks and a partial
     a = torch.randn(n, c, generator=_gen(0), dtype=torch.float64)
     b = torch.randn(n, c, generator=_gen(1), dtype=torch.float64)
     keep = (torch.rand(n, 1, generator=_gen(2)) > 0.3).double()
@@ -330,10 +331,11 @@ def test_a_batch_of_many_blocks_matches_the_oracle():
 
 
 def test_column_dot_gives_both_sums_from_one_pass():
-    from normkit.norms.power import BLOCK_ELEMENTS, column_dot
+    from normkit.kernels.channels import COLUMN_BLOCK_BYTES
+    from normkit.norms.power import column_dot
 
     c = 64
-    n = BLOCK_ELEMENTS // c + 3
+    n = COLUMN_BLOCK_BYTES // (c * 8) + 3
     a = torch.randn(n, c, generator=_gen(3), dtype=torch.float64)
     b = torch.randn(n, c, generator=_gen(4), dtype=torch.float64)
     keep = (torch.rand(n, 1, generator=_gen(5)) > 0.5).double()
