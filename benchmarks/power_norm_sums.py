@@ -36,11 +36,11 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--rounds", type=int, default=9)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print("| threads | shape | mask | whole product ms | blocks ms | whole / blocks | "
           "max error / sum of abs |")
     print("|---:|---|---|---:|---:|---:|---:|")

@@ -1110,3 +1110,22 @@ def test_output_cache_script_times_both_sides_and_restores_the_limit(monkeypatch
             assert memory.OUTPUT_CACHE_BYTES == limit
             assert off > 0 and on > 0 and q1 <= ratio <= q3
             memory.release_cached()
+
+
+def test_power_norm_sums_table_checks_the_blocks_against_float64(monkeypatch, capsys):
+    """benchmarks/power_norm_sums.py: one row per shape and mask, both ways' sums within
+    float32 rounding of the float64 sum, over several blocks."""
+    from normkit.kernels import channels
+
+    script = _benchmark_script("power_norm_sums")
+    monkeypatch.setattr(channels, "COLUMN_BLOCK_BYTES", 4096)  # (16 rows of 64 per block)
+    monkeypatch.setattr(script, "SHAPES", ((100, 64),))
+    before = torch.get_num_threads()
+    try:
+        script.main(["--threads", "1", "--rounds", "1"])
+    finally:
+        torch.set_num_threads(before)
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 1 |")]
+    assert [row[3].strip() for row in rows] == ["no", "yes"]
+    assert all(float(row[-2]) < 1e-6 for row in rows)
