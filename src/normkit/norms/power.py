@@ -1,9 +1,10 @@
 r"""Power Normalization (Shen, Yao, Gholami, Mahoney & Keutzer, ICML 2020).
 
 《深度学习归一化技术：BN与LN原理及应用对比》 §6 lists PowerNorm among the frontier.
-BatchNorm does poorly in Transformers (NLP): the batch statistics of token features
-swing from batch to batch, and so do their gradients. PowerNorm keeps BatchNorm's
-per-channel, batch-wide statistic but
+Shen et al. find BatchNorm doing poorly in NLP Transformers: the batch statistics of
+token features swing from batch to batch, and so do their gradients (normkit lab's
+``transformer`` experiment, on digit rows, does not see it). PowerNorm keeps
+BatchNorm's per-channel, batch-wide statistic but
 
 * drops the mean (a quadratic mean, :math:`\psi^2 = \mathrm{E}[x^2]`, as RMSNorm does),
 * normalizes by the *running* quadratic mean in training (after a warm-up that uses the
