@@ -39,7 +39,7 @@ from .progress import NullProgress, make_progress
 from .store import ResultStore, update_manifest
 
 __all__ = ["LAB_VERSION", "Distributed", "shard_by_cost", "RunOutcome", "run_plan",
-           "execute"]
+           "execute", "cpu_capability"]
 
 #: Bumped when a record's meaning changes.
 LAB_VERSION = 1
@@ -138,6 +138,18 @@ def shard_by_cost(costs: Sequence[float], world_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
+def cpu_capability() -> str:
+    """The instruction set of torch's CPU kernels in this process (``"AVX512"``,
+    ``"AVX2"``, ``"DEFAULT"``...), or ``"?"`` where torch does not say.
+
+    Example:
+        >>> isinstance(cpu_capability(), str)
+        True
+    """
+    get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return get() if get is not None else "?"
+
+
 def execute(experiment: Experiment, spec: RunSpec, on_step=None) -> dict:
     """Run one spec and return its record (``timing`` holds the wall-clock values).
 
@@ -146,8 +158,12 @@ def execute(experiment: Experiment, spec: RunSpec, on_step=None) -> dict:
         >>> exp = get_experiment("invariances")
         >>> record = execute(exp, exp.plan("tiny", 0)[0])
         >>> sorted(record)
-        ['config', 'experiment', 'key', 'result', 'run_id', 'seed', 'threads', 'timing',
-         'torch', 'version']
+        ['config', 'cpu', 'experiment', 'key', 'result', 'run_id', 'seed', 'threads',
+         'timing', 'torch', 'version']
+
+    ``cpu`` is the instruction set torch's CPU kernels use here
+    (``torch.backends.cpu.get_cpu_capability()``, e.g. ``AVX512``): with the torch
+    version, what a record's bits depend on besides its seed, config and thread count.
     """
     torch.manual_seed(spec.seed)
     start = time.perf_counter()
@@ -158,7 +174,7 @@ def execute(experiment: Experiment, spec: RunSpec, on_step=None) -> dict:
         "run_id": spec.run_id, "experiment": spec.experiment, "key": spec.key,
         "seed": spec.seed, "config": spec.config, "result": result, "timing": timing,
         "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "version": LAB_VERSION,
+        "cpu": cpu_capability(), "version": LAB_VERSION,
     }
 
 
