@@ -371,3 +371,57 @@ def test_a_transformers_layer_norms_become_power_norms_and_back():
         normkit.convert_norms(nn.Sequential(nn.LayerNorm((4, 16))), "pn")
     with pytest.raises(ValueError, match="expected one of ln, rms, pn, none"):
         normkit.convert_norms(nn.Sequential(nn.LayerNorm(16)), "gn")
+
+
+def _without_fast_path(module, *args, **kwargs):
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            return module(*args, **kwargs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+@pytest.mark.parametrize("to", ["pn", "rms", "none", "ln"])
+def test_torchs_encoder_layer_calls_the_converted_norms_in_eval(to):
+    """torch's TransformerEncoderLayer in eval without autograd computes LayerNorm itself
+    from norm1/norm2's weight and bias (its fused fast path): after a conversion to
+    another family it silently computed LayerNorm (PowerNorm: 2.4 off) or failed
+    (RMSNorm: no bias; Identity: no eps). The converted layer now calls its norms."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    converted = normkit.convert_norms(layer, to, **({"group_num": None} if to == "pn"
+                                                    else {})).eval()
+    if to == "pn":
+        with torch.no_grad():
+            converted.norm1.running_phi.fill_(9.0)  # (LayerNorm's answer is far off)
+            converted.norm2.running_phi.fill_(4.0)
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        got = converted(x)
+    torch.testing.assert_close(got, _without_fast_path(converted, x), atol=1e-5, rtol=1e-5)
+    assert (converted.activation_relu_or_gelu == 0) == (to != "ln")  # (ln keeps it)
+
+
+def test_torchs_encoder_stack_calls_the_converted_norms_on_padded_batches():
+    """nn.TransformerEncoder packs a padded batch into a nested tensor for its layers'
+    fast path; with PowerNorms inside it must not."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    stack = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+    assert stack.use_nested_tensor
+    converted = normkit.convert_norms(stack, "pn", group_num=None).eval()
+    assert not converted.use_nested_tensor
+    with torch.no_grad():
+        for m in converted.modules():
+            if isinstance(m, normkit.PowerNorm):
+                m.running_phi.fill_(9.0)
+    x = torch.randn(3, 5, 16)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    with torch.no_grad():
+        got = converted(x, src_key_padding_mask=pad)
+    want = _without_fast_path(converted, x, src_key_padding_mask=pad)
+    keep = ~pad
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)

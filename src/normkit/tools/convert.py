@@ -305,8 +305,33 @@ def convert_norms(model: nn.Module, to, *, where=None, **kwargs) -> nn.Module:
         return target.train(source.training)
 
     what = "normalization layers" + ("" if where is None else " selected by where")
-    return replace_modules(model, match, build, what, with_names=True,
-                          tool="convert_norms")
+    converted = replace_modules(model, match, build, what, with_names=True,
+                                tool="convert_norms")
+    _torch_encoder_fast_paths_off(converted)
+    return converted
+
+
+def _torch_encoder_fast_paths_off(model: nn.Module) -> None:
+    """torch's ``TransformerEncoderLayer`` in eval without autograd takes a fused "fast
+    path" that computes LayerNorm itself from ``norm1``/``norm2``'s weight, bias and eps
+    and never calls them: a layer whose norms are no longer LayerNorm would silently
+    compute LayerNorm (a PowerNorm: its running statistic and group scaling ignored),
+    or fail (RMSNorm has no bias, ``nn.Identity`` no eps). For such layers, turn the
+    fast path off (``activation_relu_or_gelu``, which only the fast path reads, to 0,
+    the value torch gives an activation it cannot fuse), and the nested-tensor
+    conversion of a ``TransformerEncoder`` holding them (``use_nested_tensor``), so that
+    their forward calls the norms."""
+    def layer_norms_only(layer: nn.TransformerEncoderLayer) -> bool:
+        return all(type(norm) in (nn.LayerNorm, nk_layer.LayerNorm)
+                   for norm in (layer.norm1, layer.norm2))
+
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and not layer_norms_only(module):
+            module.activation_relu_or_gelu = 0
+        if isinstance(module, nn.TransformerEncoder) and any(
+                isinstance(layer, nn.TransformerEncoderLayer) and not layer_norms_only(layer)
+                for layer in module.layers):
+            module.use_nested_tensor = False
 
 
 def _convertible_hint(model: nn.Module, to: str, match) -> str:
