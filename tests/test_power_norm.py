@@ -245,13 +245,22 @@ def test_the_authors_state_dict_loads():
 
 
 def test_a_module_cast_to_16_bits_keeps_working():
+    """bfloat16 parameters and buffers: the same steps as a float32 module on the same
+    (bfloat16) inputs, to bfloat16's tolerance (its buffers round at every update)."""
     layer = PowerNorm(8, warmup_iters=1).to(torch.bfloat16)
+    twin = PowerNorm(8, warmup_iters=1)
     assert layer.running_phi.dtype == torch.bfloat16
-    for _ in range(3):
-        x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
-        layer(x).float().square().sum().backward()
-        assert torch.isfinite(x.grad.float()).all()
-    assert torch.isfinite(layer.ema_gz.float()).all()
+    for step in range(3):
+        x = (torch.randn(4, 8, generator=_gen(step)) * 2).to(torch.bfloat16)
+        xa, xb = x.clone().requires_grad_(), x.float().requires_grad_()
+        ya, yb = layer(xa), twin(xb)
+        assert ya.dtype == torch.bfloat16 and ya.grad_fn is not None
+        assert_close(ya, yb.detach(), torch.bfloat16, f"output, step {step + 1}")
+        ya.float().square().sum().backward()
+        yb.square().sum().backward()
+        assert_grad_close(xa.grad, xb.grad, torch.bfloat16, f"dx, step {step + 1}")
+    assert_close(layer.running_phi, twin.running_phi, torch.bfloat16, "running_phi")
+    assert_grad_close(layer.ema_gz, twin.ema_gz, torch.bfloat16, "ema_gz")
 
 
 def test_fx_traces_it_as_a_leaf():
