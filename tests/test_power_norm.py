@@ -144,10 +144,14 @@ def test_padding_tokens_stay_out_of_the_statistics():
     pad = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0], [0, 1, 1, 1]], dtype=torch.bool)
     garbage = x.clone()
     garbage[pad] = 1e3
+    nonfinite = x.clone()  # (e.g. attention over a row of padding alone)
+    nonfinite[pad] = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan"),
+                                   1.0, float("nan")], dtype=torch.float64)[:int(pad.sum())
+                                                                            ].view(-1, 1)
     dy = torch.randn(3, 4, c, dtype=torch.float64)
     dy[pad] = 0
     results = []
-    for inp, mask in ((x, pad), (garbage, pad), (x[~pad], None)):
+    for inp, mask in ((x, pad), (garbage, pad), (nonfinite, pad), (x[~pad], None)):
         layer = PowerNorm(c, warmup_iters=1, group_num=2).double()
         for _ in range(3):
             leaf = inp.clone().requires_grad_()
@@ -480,3 +484,67 @@ def test_checkpointing_recomputes_with_the_context_mask_of_the_first_forward(ree
             assert torch.equal(a, b), f"{name} after step {step + 1}"
         for (name, a), b in zip(plain.named_parameters(), ckpt.parameters(), strict=True):
             assert torch.equal(a.grad, b.grad), f"{name}.grad after step {step + 1}"
+
+
+def test_jagged_sequences_count_every_token_and_nothing_else():
+    """A jagged nested batch packs the real tokens of every sequence in ``values()``: the
+    statistics are the oracle's over those tokens (no padding to mask), steps across
+    the warm-up; gradients reach each sequence."""
+    c, lengths = 8, (3, 1, 6)
+    layer = PowerNorm(c, warmup_iters=2, alpha_fwd=0.8, alpha_bkw=0.7).double()
+    oracle = Oracle(c, warmup_iters=2, alpha_fwd=0.8, alpha_bkw=0.7, group_num=1)
+    for step in range(4):
+        seqs = [torch.randn(n, c, generator=_gen(40 + 3 * step + i), dtype=torch.float64) * 2
+                + 1 for i, n in enumerate(lengths)]
+        x = torch.nested.nested_tensor(seqs, layout=torch.jagged, requires_grad=True)
+        dy = torch.randn(sum(lengths), c, generator=_gen(60 + step), dtype=torch.float64)
+        with normkit.padding_mask(torch.ones(5, 5, dtype=torch.bool)):  # (not for nested)
+            y = layer(x)
+        assert y.is_nested and y.shape == x.shape
+        y.values().backward(dy)
+        ry, rdx, _, _ = oracle.step(_np(torch.cat(seqs)), _np(dy))
+        assert_close(y.values(), torch.from_numpy(ry), torch.float64, f"y, step {step + 1}")
+        assert_grad_close(torch.cat(x.grad.unbind()), torch.from_numpy(rdx), torch.float64,
+                          f"dx, step {step + 1}")
+        _check_buffers(layer, oracle, torch.float64)
+
+
+def test_narrowed_sequences_leave_the_rows_between_them_out():
+    """``torch.nested.narrow``'s values hold the whole padded batch: the rows outside the
+    sequences (here NaN) must not reach the statistics."""
+    base = torch.randn(3, 6, 4, generator=_gen(70), dtype=torch.float64)
+    base[0, 4:] = float("nan")
+    base[2, :2] = float("nan")
+    starts, lengths = torch.tensor([0, 1, 2]), torch.tensor([4, 3, 4])
+    narrowed = torch.nested.narrow(base, 1, starts, lengths, layout=torch.jagged)
+    packed = torch.nested.nested_tensor([base[i, s:s + n] for i, (s, n) in enumerate(
+        zip(starts.tolist(), lengths.tolist(), strict=True))], layout=torch.jagged)
+    a, b = PowerNorm(4).double(), PowerNorm(4).double()
+    ya, yb = a(narrowed), b(packed)
+    for got, want in zip(ya.unbind(), yb.unbind(), strict=True):
+        assert_close(got, want, torch.float64)
+    assert torch.isfinite(a.running_phi).all()
+    assert_close(a.running_phi, b.running_phi, torch.float64, "running_phi")
+    for y in (ya, yb):
+        sum((t * torch.arange(t.numel()).view(t.shape)).sum() for t in y.unbind()).backward()
+    for name in ("weight", "bias"):  # (sums over every position: the rows between too)
+        grad = getattr(a, name).grad
+        assert torch.isfinite(grad).all(), name
+        assert_grad_close(grad, getattr(b, name).grad, torch.float64, name)
+    assert_close(a.ema_gz, b.ema_gz, torch.float64, "ema_gz")
+
+
+def test_nested_input_errors():
+    seqs = [torch.randn(2, 4), torch.randn(3, 4)]
+    layer = PowerNorm(4)
+    jagged = torch.nested.nested_tensor(seqs, layout=torch.jagged)
+    with pytest.raises(ValueError, match="no padding_mask with a nested input"):
+        layer(jagged, torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.warns(UserWarning, match="prototype"):
+        strided = torch.nested.nested_tensor(seqs)
+    with pytest.raises(ValueError, match="got a strided nested tensor of 2 components"):
+        layer(strided)
+    channels_first = torch.nested.nested_tensor([s.t() for s in seqs], layout=torch.jagged)
+    with pytest.raises(ValueError, match=r"shape \(\*, 4\).*got a jagged nested tensor of "
+                                         r"shape \(2, 4, j\d+\)"):
+        layer(channels_first)

@@ -24,6 +24,7 @@ from torch import Tensor
 from . import _stats
 from .kernels import channels, library, native
 from .kernels import triton as tk
+from .norms import _nested
 from .norms._core import (
     affine_view,
     check_backend,
@@ -532,6 +533,10 @@ def layer_norm(
         >>> float((y.double() - ref).abs().max()) < 1e-4
         True
     """
+    if isinstance(input, Tensor) and input.is_nested:  # per token: on its values (_nested)
+        return _nested.per_token(lambda v: layer_norm(v, normalized_shape, weight, bias, eps,
+                                                      backend=backend),
+                                 normalized_shape, "layer_norm", input)
     shape = _as_shape(normalized_shape)
     _check_trailing(input, shape, "layer_norm", weight=weight, bias=bias)
     if input.numel() == 0:
@@ -586,6 +591,10 @@ def rms_norm(
         >>> y
         tensor([[0.8485, 1.1314]])
     """
+    if isinstance(input, Tensor) and input.is_nested:  # per token: on its values (_nested)
+        return _nested.per_token(lambda v: rms_norm(v, normalized_shape, weight, eps,
+                                                    backend=backend),
+                                 normalized_shape, "rms_norm", input)
     shape = _as_shape(normalized_shape)
     _check_trailing(input, shape, "rms_norm", weight=weight)
     if eps is None:

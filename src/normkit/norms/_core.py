@@ -283,6 +283,10 @@ def check_floating(x: Tensor, who: str) -> None:
     """Raise a ValueError unless ``x`` is a real floating-point tensor."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{who} expected a torch.Tensor input, got {type(x).__name__}")
+    if x.is_nested:
+        from ._nested import refuse
+
+        refuse(x, who)
     if not x.is_floating_point():
         raise ValueError(
             f"{who} expected a floating-point input (float16, bfloat16, float32 or "

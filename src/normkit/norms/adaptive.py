@@ -33,6 +33,7 @@ from torch.fx import Proxy
 
 from .. import _stats
 from .. import functional as F
+from . import _nested
 from ._base import NotScriptable, fx_leaf
 from ._core import check_floating, shape_str
 from .group import GroupNorm
@@ -73,8 +74,11 @@ class _Modulated(NotScriptable, nn.Module):
         scale, shift = self.modulation(cond).chunk(2, dim=1)
         view = [y.shape[0]] + [1] * (y.dim() - 1)
         view[self.channel_dim] = self.features
-        return torch.addcmul(shift.view(view), y, (1 + scale).view(view)).to(
-            torch.promote_types(y.dtype, scale.dtype))
+        if y.is_nested:  # (a jagged (N, j, D) sequence batch: no nested addcmul in torch)
+            out = y * (1 + scale).view(view) + shift.view(view)
+        else:
+            out = torch.addcmul(shift.view(view), y, (1 + scale).view(view))
+        return out.to(torch.promote_types(y.dtype, scale.dtype))
 
 
 class AdaptiveLayerNorm(_Modulated):
@@ -126,6 +130,10 @@ class AdaptiveLayerNorm(_Modulated):
     def forward(self, x: Tensor, cond: Tensor) -> Tensor:
         if isinstance(x, Proxy) or isinstance(cond, Proxy):
             return fx_leaf(self, x, cond)
+        if isinstance(x, Tensor) and x.is_nested and x.layout != torch.jagged:
+            raise ValueError(f"AdaptiveLayerNorm expected a dense tensor or a jagged nested "
+                             f"tensor, got {_nested.describe(x)}: build it with "
+                             f"torch.nested.nested_tensor(..., layout=torch.jagged)")
         if x.dim() < 2:
             raise ValueError(f"AdaptiveLayerNorm expected input of shape (N, *, "
                              f"{self.features}) with a batch dim, got {shape_str(x)}")

@@ -107,6 +107,7 @@ from .. import functional as F
 from ..kernels import channels, library, native
 from ..kernels import triton as tk
 from ..kernels.memory import empty_like, fresh_out_like, out_like
+from . import _nested
 from ._base import BackendMixin, fx_leaf
 from ._core import (
     affine_view,
@@ -666,6 +667,14 @@ def _grads_of(output, inputs, grad, create_graph, needs=None):
 
 def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual_in_fp32,
               backend, who):
+    if isinstance(x, Tensor) and x.is_nested:  # per token: on the values (norms._nested)
+        normed, new_residual = _nested.per_token(
+            lambda v, r: _add_norm(v, r, normalized_shape, weight, bias, eps, center,
+                                   residual_in_fp32, backend, who),
+            normalized_shape, who, x, residual)
+        if residual is None and new_residual.dtype == x.dtype:
+            new_residual = x  # (as for dense x: nothing added, x passes on)
+        return normed, new_residual
     shape = F._as_shape(normalized_shape)
     _check_add_inputs(x, residual, shape, who, weight=weight, bias=bias)
     res_dtype = _residual_dtype(x, residual, residual_in_fp32)

@@ -35,6 +35,7 @@ from .. import _stats
 from .. import functional as F
 from ..kernels import channels
 from ..kernels.memory import out_like
+from . import _nested
 from ._base import NotScriptable, fx_leaf
 from ._core import (
     check_floating,
@@ -101,15 +102,16 @@ def padding_mask(mask: Tensor | None) -> Iterator[Tensor | None]:
 
 def column_dot(a: Tensor, b: Tensor, keep: Tensor | None = None, *,
                total: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """``(a * b * keep).sum(0)`` of ``(N, C)`` tensors (``keep``: ``(N, 1)`` weights or
-    ``None``), block by block of rows into one reused cache-sized buffer
+    """``(a * b)[kept rows].sum(0)`` of ``(N, C)`` tensors (``keep``: ``(N, 1)`` of 0 and 1,
+    or ``None``: every row), block by block of rows into one reused cache-sized buffer
     (:data:`normkit.kernels.channels.COLUMN_BLOCK_BYTES`, as the slice-sums engine's
     blocked sums), without the ``(N, C)`` product that ``(x * x).sum(0)`` writes (and
     page-faults) through memory: ``benchmarks/power_norm_sums.py``. ``total=True`` returns the pair
     ``(weighted, (a * b).sum(0))`` from the same pass (each block's product summed
     plainly and through ``keep``'s row vector). Under compilation (the compiler fuses
     them) and off the CPU (one kernel each, on a caching allocator), the plain
-    expressions.
+    expressions. Rows left out are left out, not weighted by 0: a NaN or inf there
+    (padding, or the rows between ``torch.nested.narrow``'s sequences) stays out.
 
     Example:
         >>> x = torch.arange(6.0).view(3, 2)
@@ -119,7 +121,7 @@ def column_dot(a: Tensor, b: Tensor, keep: Tensor | None = None, *,
     if compiling() or a.device.type != "cpu":
         product = a * b
         plain = product.sum(0)
-        weighted = plain if keep is None else (product * keep).sum(0)
+        weighted = plain if keep is None else torch.where(keep > 0, product, 0).sum(0)
         return (weighted, plain) if total else weighted
     n, c = a.shape
     dtype = torch.promote_types(a.dtype, b.dtype)
@@ -135,6 +137,15 @@ def column_dot(a: Tensor, b: Tensor, keep: Tensor | None = None, *,
             plain.add_(part.sum(0))
         if keep is not None:
             weighted.addmv_(part.t(), keep[start:start + rows, 0].to(dtype))
+    if keep is not None and not bool(torch.isfinite(weighted).all()):
+        # a NaN or inf times a weight of 0 is NaN: the sums again with the rows left out
+        # zeroed (2-5x the matrix-vector product's time at 4096 x 768-8192, measured by
+        # benchmarks/power_norm_sums.py's shapes: so only where needed)
+        weighted.zero_()
+        for start in range(0, n, rows):
+            block = a[start:start + rows]
+            part = torch.mul(block, b[start:start + rows], out=buffer[:block.shape[0]])
+            weighted.add_(part.masked_fill_(keep[start:start + rows] == 0, 0).sum(0))
     return (weighted, plain) if total else weighted
 
 
@@ -430,7 +441,48 @@ class PowerNorm(NotScriptable, nn.Module):
         if isinstance(input, Proxy):
             return fx_leaf(self, input) if padding_mask is None else fx_leaf(
                 self, input, padding_mask)
+        if isinstance(input, Tensor) and input.is_nested:
+            return self._nested_forward(input, padding_mask)
         padding_mask, from_context = self._padding_of_this_call(padding_mask)
+        return self._forward(input, padding_mask, from_context)
+
+    def _nested_forward(self, input: Tensor, padding_mask: Tensor | None) -> Tensor:
+        """A jagged nested tensor: the layer on its ``values()``, the tokens of every
+        sequence packed, with the rows of no sequence (``torch.nested.narrow``'s) masked
+        out of the statistics; :mod:`normkit.norms._nested`."""
+        if padding_mask is not None:
+            raise ValueError(
+                "PowerNorm expected no padding_mask with a nested input (its sequences hold "
+                "only real tokens, which are what the statistics count), got a padding_mask "
+                f"of shape {shape_str(padding_mask)}")
+        if input.layout != torch.jagged:
+            raise ValueError(
+                f"PowerNorm expected a dense tensor or a jagged nested tensor (its statistics "
+                f"are over every token of the batch, which only the jagged layout packs in "
+                f"one tensor), got {_nested.describe(input)}: build it with "
+                f"torch.nested.nested_tensor(..., layout=torch.jagged)")
+        ragged = input._ragged_idx
+        if input.dim() - 1 <= ragged:
+            raise ValueError(
+                f"PowerNorm expected input of shape (*, {self.num_features}) (channels last) "
+                f"with the channels after the ragged dim {ragged}, got "
+                f"{_nested.describe(input)}")
+        values = input.values()
+        mask = _nested.padding_of_values(input)
+        if mask is None:
+            return _nested.per_token(lambda v: self._forward(v, None, False),
+                                     (self.num_features,), "PowerNorm", input)
+        # the rows run along the values' dim ragged - 1; they are zeroed, not only masked
+        # (they belong to no sequence: whatever they hold reaches no output, no gradient)
+        view = [1] * (values.dim() - 1)
+        view[ragged - 1] = -1
+        mask = mask.view(view).expand(values.shape[:-1])
+        return _nested.per_token(
+            lambda v: self._forward(v.masked_fill(mask[..., None], 0), mask, False),
+            (self.num_features,), "PowerNorm", input)
+
+    def _forward(self, input: Tensor, padding_mask: Tensor | None,
+                 from_context: bool) -> Tensor:
         self._check_inputs(input, padding_mask, from_context)
         compute = _stats.compute_dtype(input.dtype)
         xs = self._scaled(input, compute)
