@@ -7,7 +7,9 @@ trace of them would freeze the traced input's choice -- torch's kernel replayed 
 at an offset, where it loses precision -- and their checks failed the tracer's sanity
 check outright (BatchNorm in eval, GroupNorm, InstanceNorm, the fused norm + activation
 layers). Under ``torch.jit.trace`` and ``torch.export`` normkit records its reference
-math: ATen operators only, accurate at any offset, portable to wherever the graph runs.
+math: ATen operators only, accurate at any offset, portable to wherever the graph runs
+(inference BatchNorm records torch's ``batch_norm``, the same formula, which ONNX and
+conv + BN folding recognize).
 TorchScript cannot compile normkit's Python: ``torch.jit.script`` fails at once, saying
 what works instead, and leaves the model as it was. ``torch.fx.symbolic_trace`` keeps each
 normkit layer one ``call_module`` node, as it keeps torch.nn's norms (it used to trace
@@ -191,6 +193,43 @@ def test_exported_batch_renorm_reads_its_step_count_in_the_graph(step):
         torch.testing.assert_close(b, a, msg=name, **TOL[torch.float32])
     for (name, a), b in zip(eager.named_parameters(), module.parameters(), strict=True):
         assert_grad_close(b.grad, a.grad, torch.float32, name)
+
+
+#: The layers whose eval forward is inference BatchNorm's formula on running statistics.
+RUNNING = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNorm2d biased running_var",
+           "FrozenBatchNorm2d", "BatchRenorm2d", "BatchNormAct2d", "BatchNormAct2d inplace",
+           "InstanceNorm2d", "SyncBatchNorm"]
+
+
+@needs_is_exporting
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", RUNNING)
+def test_inference_batch_norm_is_recorded_as_torchs_batch_norm(name, dtype):
+    """Exported and traced in eval, a layer normalizing by running statistics is one
+    ``aten.batch_norm`` -- what ONNX's BatchNormalization, conv + BN folding and PT2E
+    quantization recognize, where the formula would be anonymous elementwise operators
+    -- and the recorded program computes what the eager layer does, at an offset too."""
+    if name == "SyncBatchNorm":
+        eager, shape = normkit.SyncBatchNorm(4), (3, 4, 5, 5)
+    else:
+        eager, shape = _module(name), LAYERS[name][1]
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        eager.running_mean.copy_(torch.randn(4, generator=gen) * 3)
+        eager.running_var.copy_(torch.rand(4, generator=gen) * 4 + 0.1)
+    eager = eager.eval().to(dtype)
+    x = (torch.randn(shape, generator=gen) * 2 + 1).to(dtype)
+    program = torch.export.export(copy.deepcopy(eager), (x,))
+    exported = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    traced = _trace(copy.deepcopy(eager), (x,))
+    recorded = {n.kind() for n in traced.inlined_graph.nodes()}
+    assert "aten.batch_norm.default" in exported and "aten::batch_norm" in recorded
+    for op in ("sub", "rsqrt", "addcmul"):
+        assert f"aten.{op}.Tensor" not in exported and f"aten.{op}.default" not in exported
+        assert f"aten::{op}" not in recorded
+    shifted = x.float().add(1e3).to(dtype)
+    for run in (program.module(), traced):
+        assert_close(run(shifted), eager(shifted), dtype)
 
 
 @needs_is_exporting

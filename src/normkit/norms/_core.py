@@ -247,13 +247,29 @@ def in_graph() -> bool:
     An exported program is made to run elsewhere -- AOTInductor, ExecuTorch, ONNX, a
     process that never imports normkit -- where normkit's Python operators do not exist,
     so under torch.export ``backend="auto"`` records the reference math instead: ATen
-    operators only (and torch's own kernels on a GPU).
+    operators only (and torch's own kernels on a GPU; inference BatchNorm records torch's
+    ``batch_norm``, :func:`deploying`).
 
     Example:
         >>> in_graph()
         False
     """
     return torch.compiler.is_compiling() and not _exporting()
+
+
+def deploying() -> bool:
+    """True while ``torch.export`` or ``torch.jit.trace`` records the code: a program
+    made to run elsewhere (ONNX, AOTInductor, ExecuTorch, a process without normkit).
+    Inference BatchNorm (and InstanceNorm on running statistics) then records torch's
+    ``batch_norm``: the same formula on the same statistics, which the consumers of such
+    programs recognize (ONNX ``BatchNormalization``, conv + BN folding) where the
+    reference math is four anonymous elementwise operators.
+
+    Example:
+        >>> deploying()
+        False
+    """
+    return _exporting() or torch.jit.is_tracing()
 
 
 def read_before_update(buffer: Tensor) -> Tensor:
