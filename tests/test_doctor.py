@@ -698,9 +698,15 @@ def test_power_norm_in_eval_with_a_running_statistic_off_the_batch_is_stale():
     w = finding(doctor(model.eval(), tokens), "stale-running-stats")
     assert "running quadratic mean (running_phi)" in w.message
     assert "num_batches_tracked is 0" in w.message
-    model.train()
+    assert "normkit.update_bn_stats(model, train_loader)" in w.remedy
+    trained = copy.deepcopy(model).train()
     for _ in range(60):  # (running_phi follows the batches: 0.9 ** 60 of the start left)
-        model(torch.randn(6, 5, 8) * 10)
-    report = doctor(model.eval(), tokens)
+        trained(torch.randn(6, 5, 8) * 10)
+    report = doctor(trained.eval(), tokens)
     assert "stale-running-stats" not in codes(report)
     assert report.layers[0].running.var_ratio_gmean == pytest.approx(1.0, rel=0.5)
+    # the remedy it names
+    normkit.update_bn_stats(model, [torch.randn(6, 5, 8) * 10 for _ in range(4)])
+    report = doctor(model.eval(), tokens)
+    assert "stale-running-stats" not in codes(report)
+    assert report.layers[0].running.var_ratio_gmean == pytest.approx(1.0, rel=0.2)

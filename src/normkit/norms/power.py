@@ -305,6 +305,10 @@ class PowerNorm(NotScriptable, nn.Module):
         (1, True)
     """
 
+    #: ``(count, per-channel sums of squares)`` of every training batch goes here when
+    #: set (:func:`normkit.update_bn_stats` sets it for its passes)
+    _observer = None
+
     def __init__(self, num_features: int, eps: float = 1e-5, alpha_fwd: float = 0.9,
                  alpha_bkw: float = 0.9, affine: bool = True, warmup_iters: int = 10000,
                  group_num: int | None = 1, device=None, dtype=None) -> None:
@@ -526,6 +530,8 @@ class PowerNorm(NotScriptable, nn.Module):
         # a batch with no token counted: its statistic is running_phi's (which the
         # updates below then leave as it is)
         squares = column_dot(rows.detach(), rows.detach(), keep)  # (over counted rows)
+        if self._observer is not None:  # (normkit.update_bn_stats: the batch's sums)
+            self._observer(count, squares)
         psi2 = torch.where(counted, squares / count.clamp(min=1), phi)
         step = self.num_batches_tracked + 1
         warm = step <= self.warmup_iters

@@ -1031,9 +1031,11 @@ def _diagnose(call: _Call, output: TensorStats | None) -> list[tuple[str, str, s
         if run.num_batches_tracked == 0:
             message += "; num_batches_tracked is 0: running_phi was never updated (ones)"
         found.append(("stale-running-stats", message,
-                      "train the model (running_phi follows the batches, alpha_fwd per "
-                      "step) before evaluating it, or check that this batch is "
-                      "preprocessed like the training data"))
+                      "recompute running_phi with normkit.update_bn_stats(model, "
+                      "train_loader) (the exact mean square over the training data, where "
+                      "training leaves an average of the last ~1/(1 - alpha_fwd) batches), "
+                      "or train the model first; if this batch is preprocessed differently "
+                      "from the training data, fix the preprocessing instead"))
     elif call.statistics == "running" and run is not None and finite:
         limit = max(STALE_SHIFT, 3.0 / math.sqrt(max(call.batch, 1)))
         var_off = run.var_ratio_gmean is not None and not (

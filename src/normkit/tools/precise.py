@@ -10,6 +10,8 @@ from torch import nn
 
 from .. import _stats
 from ..norms.batch import FrozenBatchNorm
+from ..norms.mean_only import _MeanOnlyBatchNorm
+from ..norms.power import PowerNorm
 from ..norms.sync import sync_moments
 
 __all__ = ["update_bn_stats", "default_forward"]
@@ -38,10 +40,20 @@ def default_forward(model: nn.Module, batch):
     )
 
 
-def _batch_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-            and not isinstance(m, FrozenBatchNorm)]
+def _running_layers(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(name, layer, kind)`` of the layers keeping running statistics that a training
+    forward computes: ``"bn"`` (torch's and normkit's BatchNorm family), ``"mean"``
+    (MeanOnlyBatchNorm: a running mean), ``"power"`` (PowerNorm: a running mean
+    square). FrozenBatchNorm's statistics are fixed by design."""
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, PowerNorm):
+            found.append((name, m, "power"))
+        elif (isinstance(m, (nn.modules.batchnorm._BatchNorm, _MeanOnlyBatchNorm))
+              and not isinstance(m, FrozenBatchNorm) and m.track_running_stats
+              and m.running_mean is not None):
+            found.append((name, m, "mean" if isinstance(m, _MeanOnlyBatchNorm) else "bn"))
+    return found
 
 
 @torch.no_grad()
@@ -53,7 +65,8 @@ def update_bn_stats(
     *,
     process_group=None,
 ) -> dict[str, int]:
-    """Set every BatchNorm's running statistics to the exact statistics over ``batches``.
+    """Set every BatchNorm's running statistics to the exact statistics over ``batches``
+    (and MeanOnlyBatchNorm's running mean, PowerNorm's running mean square).
 
     Inference should normalize with the statistics of the data, not with an exponential
     average of batch statistics taken while the weights were still moving. This runs
@@ -62,16 +75,22 @@ def update_bn_stats(
     of its input over all batches (Chan et al. merge in float64; the pooled variance,
     not an average of per-batch variances as fvcore and ``swa_utils.update_bn`` do).
     ``running_var`` receives the unbiased pooled variance (the biased one for layers
-    with ``unbiased_running_var=False``).
+    with ``unbiased_running_var=False``). A :class:`normkit.PowerNorm` gets the pooled
+    mean square of its (group-scaled) input over every counted token -- padding left
+    out as its forward leaves it out -- in ``running_phi``, where training leaves an
+    average of its last ~``1 / (1 - alpha_fwd)`` batches; during the passes it normalizes
+    by each batch's statistic, as BatchNorm does. A :class:`normkit.MeanOnlyBatchNorm1d`
+    (2d) gets the pooled mean.
 
-    Only the BatchNorm layers are switched to training mode: dropout and every other
-    module keep their mode. Momentum, mode and ``num_batches_tracked`` are restored
-    afterwards. Inside an initialized process group of several ranks (or with
-    ``process_group``), the statistics are pooled across ranks, so every rank ends with
-    those of all ranks' batches.
+    Only these layers are switched to training mode: dropout and every other module
+    keep their mode. Momentum, mode and ``num_batches_tracked`` are restored afterwards
+    (PowerNorm's ``ema_gz`` is not touched: no backward runs). Inside an initialized
+    process group of several ranks (or with ``process_group``), the statistics are
+    pooled across ranks, so every rank ends with those of all ranks' batches.
 
     Args:
-        model: the model; its BatchNorm layers must track running statistics.
+        model: the model; at least one of its BatchNorm (or MeanOnlyBatchNorm) layers
+            must track running statistics, or it holds a PowerNorm.
         batches: an iterable of batches (tensors, tuples or dicts; e.g. a DataLoader).
         num_batches: use at most this many batches. Default: all.
         forward: ``forward(model, batch)`` runs the model on a batch. Default:
@@ -91,17 +110,22 @@ def update_bn_stats(
         >>> bool(net.training), net[1].momentum
         (False, 0.1)
     """
-    layers = _batch_norms(model)
+    layers = _running_layers(model)
     if not layers:
         raise ValueError(
             f"update_bn_stats expected a model with BatchNorm layers that track running "
-            f"statistics, got a {type(model).__name__} without any"
+            f"statistics (or MeanOnlyBatchNorm, PowerNorm), got a {type(model).__name__} "
+            f"without any"
         )
     if num_batches is not None and num_batches <= 0:
         raise ValueError(f"num_batches must be positive or None, got {num_batches}")
     forward = default_forward if forward is None else forward
     pooled: dict[nn.Module, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {
-        m: None for _, m in layers}
+        m: None for _, m, _ in layers}
+
+    def pool(module, stats):
+        previous = pooled[module]
+        pooled[module] = stats if previous is None else _stats.merge_moments(*previous, *stats)
 
     def record(module, args):
         x = args[0]
@@ -110,20 +134,36 @@ def update_bn_stats(
         if count == 0:
             return
         m = _stats.moments(_stats.upcast(x.detach()), dims)
-        stats = (torch.full((x.shape[1],), float(count), dtype=torch.float64, device=x.device),
-                 (m.mean_hi.double() + m.mean_lo.double()).view(-1),
-                 (m.var.double() * count).view(-1))
-        previous = pooled[module]
-        pooled[module] = stats if previous is None else _stats.merge_moments(*previous, *stats)
+        pool(module, (torch.full((x.shape[1],), float(count), dtype=torch.float64,
+                                 device=x.device),
+                      (m.mean_hi.double() + m.mean_lo.double()).view(-1),
+                      (m.var.double() * count).view(-1)))
 
-    saved = {m: (m.momentum, m.training, m.num_batches_tracked.clone()
-                 if m.num_batches_tracked is not None else None) for _, m in layers}
-    hooks = [m.register_forward_pre_hook(record) for _, m in layers]
+    def observer(module):
+        def observe(count, squares):  # PowerNorm: its mean square pooled as a mean
+            if float(count) > 0:
+                n = torch.full_like(squares, float(count), dtype=torch.float64)
+                pool(module, (n, squares.double() / n, torch.zeros_like(n)))
+        return observe
+
+    saved = {}
+    for _, m, kind in layers:
+        tracked = m.num_batches_tracked
+        saved[m] = (m.training, None if tracked is None else tracked.clone(),
+                    (m.warmup_iters, m.running_phi.clone()) if kind == "power"
+                    else m.momentum)
+    hooks = [m.register_forward_pre_hook(record) for _, m, kind in layers if kind != "power"]
     used = 0
     try:
-        for _, m in layers:
+        for _, m, kind in layers:
             m.train()
-            m.momentum = 0.0  # the running statistics stay put until the exact ones are in
+            if kind == "power":
+                # the batch statistic at every step (the warm-up's), its sums observed
+                m.warmup_iters = 2 ** 62
+                m.num_batches_tracked.zero_()
+                m._observer = observer(m)
+            else:
+                m.momentum = 0.0  # the running statistics stay until the exact ones are in
         for batch in batches:
             if num_batches is not None and used >= num_batches:
                 break
@@ -132,19 +172,25 @@ def update_bn_stats(
     finally:
         for hook in hooks:
             hook.remove()
-        for m, (momentum, training, tracked) in saved.items():
-            m.momentum = momentum
+        for m, (training, tracked, kept) in saved.items():
             m.train(training)
             if tracked is not None:
                 m.num_batches_tracked.copy_(tracked)
+            if isinstance(m, PowerNorm):
+                m.warmup_iters = kept[0]
+                m.running_phi.copy_(kept[1])
+                del m._observer
+            else:
+                m.momentum = kept
     if used == 0:
         raise ValueError("update_bn_stats expected at least one batch, got none")
     counts = {}
-    for name, m in layers:
+    for name, m, kind in layers:
         stats = pooled[m]
         if stats is None:
+            channels = m.running_phi if kind == "power" else m.running_mean
             stats = tuple(torch.zeros(m.num_features, dtype=torch.float64,
-                                      device=m.running_mean.device) for _ in range(3))
+                                      device=channels.device) for _ in range(3))
         n, mean, m2 = sync_moments(*stats, process_group)
         total = int(round(float(n[0])))
         counts[name] = total
@@ -152,9 +198,14 @@ def update_bn_stats(
             warnings.warn(f"update_bn_stats: layer {name!r} saw no data; its running "
                           "statistics are unchanged", stacklevel=2)
             continue
+        if kind == "power":
+            m.running_phi.copy_(mean)
+            continue
+        m.running_mean.copy_(mean)
+        if kind == "mean":
+            continue
         var = m2 / total
         if getattr(m, "unbiased_running_var", True):
             var = _stats.unbiased_var(var, total)
-        m.running_mean.copy_(mean)
         m.running_var.copy_(var)
     return counts
