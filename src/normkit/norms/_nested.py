@@ -146,10 +146,10 @@ def padding_of_values(x: Tensor) -> Tensor | None:
     if lengths is None:
         return None
     starts = x.offsets()[:-1]
-    rows = x.values().size(x._ragged_idx - 1)
-    # +1 where a sequence starts, -1 where it ends: a row is a token where the running
-    # sum is positive
-    edges = torch.zeros(rows + 1, dtype=torch.int64, device=starts.device)
-    edges.index_add_(0, starts.long(), torch.ones_like(starts, dtype=torch.int64))
-    edges.index_add_(0, (starts + lengths).long(), -torch.ones_like(starts, dtype=torch.int64))
-    return edges.cumsum(0)[:-1] <= 0
+    rows = torch.arange(x.values().size(x._ragged_idx - 1), device=starts.device)
+    # the sequence each row would belong to: the last one starting at or before it
+    # (offsets ascend); a row is a token where that sequence has not ended yet
+    seq = torch.searchsorted(starts, rows, right=True) - 1
+    inside = seq >= 0
+    seq = seq.clamp(min=0)
+    return ~(inside & (rows < starts[seq] + lengths[seq]))
