@@ -108,3 +108,45 @@ def test_deferred_init_on_meta_then_reset_parameters_equals_the_constructor(name
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), f"{name}: {key} after reset_parameters"
+
+
+#: Constructor arguments of every public layer class (the test below checks the list
+#: is complete).
+_ARGS = {
+    "BatchNorm1d": (5,), "BatchNorm2d": (5,), "BatchNorm3d": (5,), "SyncBatchNorm": (5,),
+    "BatchRenorm1d": (5,), "BatchRenorm2d": (5,), "BatchRenorm3d": (5,),
+    "FrozenBatchNorm": (5,), "FrozenBatchNorm1d": (5,), "FrozenBatchNorm2d": (5,),
+    "FrozenBatchNorm3d": (5,), "MeanOnlyBatchNorm1d": (5,), "MeanOnlyBatchNorm2d": (5,),
+    "BatchNormAct1d": (5,), "BatchNormAct2d": (5,), "BatchNormAct3d": (5,),
+    "InstanceNorm1d": (5, 1e-5, 0.1, True), "InstanceNorm2d": (5, 1e-5, 0.1, True),
+    "InstanceNorm3d": (5, 1e-5, 0.1, True), "BatchNorm": (5,), "LayerNorm": (5,),
+    "LayerNorm2d": (5,), "RMSNorm": (5,), "AddLayerNorm": (5,), "AddRMSNorm": (5,),
+    "GroupNorm": (1, 5), "GroupNormAct": (1, 5), "PowerNorm": (5,),
+    "AdaptiveLayerNorm": (5, 3), "AdaptiveGroupNorm": (1, 5, 3),
+    "LayerNormLSTM": (5, 3), "LayerNormLSTMCell": (5, 3),
+}
+_NOT_LAYERS = {"Standardizer", "StandardizedModel", "WeightNorm", "WeightStandardization",
+               "AGC"}  # (built from data or around another module)
+
+
+def test_the_layer_list_covers_every_public_layer():
+    public = {name for name in normkit.__all__ if isinstance(getattr(normkit, name), type)
+              and issubclass(getattr(normkit, name), torch.nn.Module)}
+    assert public - _NOT_LAYERS == set(_ARGS)
+
+
+@pytest.mark.parametrize("name", list(_ARGS))
+def test_device_and_dtype_arguments_and_skip_init(name):
+    """``device=``/``dtype=`` reach every parameter and buffer, and
+    ``torch.nn.utils.skip_init`` (which requires a ``device`` argument in the
+    signature) builds the layer without initializing it."""
+    cls, args = getattr(normkit, name), _ARGS[name]
+    module = cls(*args, device="meta", dtype=torch.float64)
+    tensors = [*module.parameters(), *module.buffers()]
+    assert tensors and all(t.is_meta for t in tensors)
+    assert all(t.dtype == torch.float64 for t in tensors if t.is_floating_point())
+    skipped = torch.nn.utils.skip_init(cls, *args)
+    reference = cls(*args)
+    assert {k: v.shape for k, v in skipped.state_dict().items()} == {
+        k: v.shape for k, v in reference.state_dict().items()}
+    assert all(not t.is_meta for t in skipped.state_dict().values())

@@ -1726,9 +1726,11 @@ class _BatchNormActForward(_BatchNormForward):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, *, act: str = "relu",
                  negative_slope: float = 0.01, alpha: float = 1.0, memory: str = "standard",
-                 **kwargs) -> None:
+                 device=None, dtype=None, **kwargs) -> None:
+        # (device and dtype named: torch.nn.utils.skip_init looks for them in the signature)
         make_activation(act, negative_slope, alpha, memory, type(self).__name__)
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, **kwargs)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype, **kwargs)
         self.act, self.memory = act, memory
         self.negative_slope, self.alpha = float(negative_slope), float(alpha)
 
@@ -1820,9 +1822,11 @@ class GroupNormAct(BackendMixin, TorchGroupNorm):
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
                  affine: bool = True, *, act: str = "relu", negative_slope: float = 0.01,
-                 alpha: float = 1.0, **kwargs) -> None:
+                 alpha: float = 1.0, device=None, dtype=None, **kwargs) -> None:
+        # (device and dtype named: torch.nn.utils.skip_init looks for them in the signature)
         make_activation(act, negative_slope, alpha, "standard", type(self).__name__)
-        super().__init__(num_groups, num_channels, eps, affine, **kwargs)
+        super().__init__(num_groups, num_channels, eps, affine, device=device, dtype=dtype,
+                         **kwargs)
         self.act = act
         self.negative_slope, self.alpha = float(negative_slope), float(alpha)
 
