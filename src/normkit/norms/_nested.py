@@ -35,9 +35,10 @@ def describe(x: Tensor) -> str:
     tensor has no shape: its components' shapes).
 
     Example:
-        >>> describe(torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)],
-        ...                                     layout=torch.jagged))
-        'a jagged nested tensor of shape (2, j1, 3)'
+        >>> x = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)],
+        ...                                layout=torch.jagged)
+        >>> describe(x) == f"a jagged nested tensor of shape (2, {x.shape[1]}, 3)"
+        True
     """
     if x.layout == torch.jagged:
         return f"a jagged nested tensor of shape {shape_str(x)}"
