@@ -710,3 +710,23 @@ def test_power_norm_in_eval_with_a_running_statistic_off_the_batch_is_stale():
     report = doctor(model.eval(), tokens)
     assert "stale-running-stats" not in codes(report)
     assert report.layers[0].running.var_ratio_gmean == pytest.approx(1.0, rel=0.2)
+
+
+def test_nested_sequences_are_measured_as_their_tokens():
+    """A jagged batch: each per-token norm is measured on the tokens it normalizes (a
+    narrowed batch's rows between its sequences, here NaN, left out); the batch is the
+    number of sequences."""
+    torch.manual_seed(0)
+    model = nn.Sequential(normkit.LayerNorm(8), normkit.PowerNorm(8), normkit.RMSNorm(8))
+    base = torch.randn(3, 6, 8) * 3 + 1
+    base[0, 4:] = float("nan")
+    x = torch.nested.narrow(base, 1, torch.tensor([0, 1, 2]), torch.tensor([4, 5, 3]),
+                            layout=torch.jagged)
+    report = doctor(model.train(), x)
+    assert not [w for w in report.warnings
+                if w.code in ("analysis-failed", "nonfinite-input", "nonfinite-output")]
+    layers = {layer.type: layer for layer in report.layers}
+    assert layers["PowerNorm"].values_per_stat == 12
+    assert layers["LayerNorm"].values_per_stat == 8
+    assert layers["LayerNorm"].output.std == pytest.approx(1.0, rel=1e-3)
+    assert "batch 3" in str(report)

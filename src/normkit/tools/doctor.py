@@ -51,6 +51,7 @@ from torch.nn.utils import parametrize
 
 from .. import _stats
 from .._surgery import is_own_norm
+from ..norms._nested import padding_of_values
 from ..norms.batch import (
     BatchRenorm1d,
     BatchRenorm2d,
@@ -854,6 +855,19 @@ def _first_tensor(obj) -> Tensor | None:
     return None
 
 
+def _tokens(x: Tensor) -> tuple[Tensor, int] | None:
+    """A nested tensor as what a per-token norm sees: ``(its packed tokens, the number
+    of sequences)`` for the jagged layout (the rows of a ``torch.nested.narrow`` view
+    that belong to no sequence left out), None for the strided one (no dense tokens)."""
+    if x.layout != torch.jagged:
+        return None
+    values = x.values()
+    pad = padding_of_values(x)
+    if pad is not None and x._ragged_idx == 1:
+        values = values[~pad]
+    return values, x.size(0)
+
+
 def _unbatched(module: nn.Module, x: Tensor) -> bool:
     get = getattr(module, "_get_no_batch_dim", None)
     return get is not None and x.dim() == get()
@@ -941,7 +955,7 @@ def _inside_reentrant_checkpoint() -> bool:
 
 
 def _measure(name: str, module: nn.Module, family: str, kind: str, x: Tensor,
-             grad: bool) -> _Call:
+             grad: bool, batch: int | None = None) -> _Call:
     with torch.no_grad():
         values, axis = _layout(module, kind, x)
         running = (RunningCheck.of(module, x)
@@ -951,7 +965,8 @@ def _measure(name: str, module: nn.Module, family: str, kind: str, x: Tensor,
             name=name, module=module, family=family, kind=kind,
             mode="train" if module.training else "eval",
             statistics=_statistics(module, family), grad_enabled=grad,
-            input_shape=tuple(x.shape), batch=x.shape[0] if x.dim() >= 2 else 1,
+            input_shape=tuple(x.shape),
+            batch=batch if batch is not None else x.shape[0] if x.dim() >= 2 else 1,
             values=values, axis=axis, input=TensorStats.of(x, axis), running=running,
             gamma=None if family == "own" else GammaStats.of(getattr(module, "weight", None)),
             invalid=_invalid_state(module), momentum=getattr(module, "momentum", 0.1))
@@ -1200,13 +1215,19 @@ class _Run:
         x = _first_tensor((args, kwargs))
         if x is None or not x.is_floating_point():
             return
+        sequences = None
+        if x.is_nested:  # (sequences of tokens: measured as the tokens a norm sees)
+            tokens = _tokens(x)
+            if tokens is None:
+                return
+            x, sequences = tokens
         family, kind = _kind(module)
         try:
             # (autograd off inside reentrant checkpointing of a model run with it on:
             # the segment reruns with it in backward)
             grad = torch.is_grad_enabled() or (self.outer_grad
                                                and _inside_reentrant_checkpoint())
-            call = _measure(self.names[module], module, family, kind, x, grad)
+            call = _measure(self.names[module], module, family, kind, x, grad, sequences)
         except Exception as exc:  # the doctor must never break the model's run
             self._add(self.names[module], "analysis-failed",
                       f"could not measure the input {list(x.shape)}: "
@@ -1220,6 +1241,9 @@ class _Run:
             return
         call = calls.pop()
         y = _first_tensor(output)
+        if y is not None and y.is_nested:
+            tokens = _tokens(y)
+            y = None if tokens is None else tokens[0]
         try:
             with torch.no_grad():
                 stats = (TensorStats.of(y, call.axis)
