@@ -266,6 +266,32 @@ def test_the_transformer_experiments_norms_are_what_they_say():
             assert {m.warmup_iters for m in norms} == {3}
 
 
+def test_the_ln_init_experiments_models_differ_in_beta_alone():
+    """The beta = 0.1 model is the beta = 0 model with every LayerNorm's bias at 0.1 (all
+    8 feed a ReLU), nothing else changed; the dead-unit count reads each ReLU."""
+    import normkit
+    from normkit.lab.experiments.ln_init import dead_units
+    from normkit.lab.models import mlp
+
+    torch.manual_seed(3)
+    plain = mlp("ln", depth=8, width=16)
+    torch.manual_seed(3)
+    lifted = mlp("ln", depth=8, width=16)
+    done = normkit.init_norms_(lifted, bias_before_relu=0.1)
+    assert len(done) == 8 and all("before ReLU" in what for what in done.values())
+    for (name, a), b in zip(plain.state_dict().items(), lifted.state_dict().values(),
+                            strict=True):
+        is_ln_bias = name.endswith(".bias") and isinstance(plain.get_submodule(
+            name.rsplit(".", 1)[0]), torch.nn.LayerNorm)
+        assert torch.equal(b, torch.full_like(a, 0.1) if is_ln_bias else a), name
+    x = torch.randn(50, 64)
+    shares = dead_units(plain, x)
+    assert len(shares) == 8 and all(0.0 <= s <= 100.0 for s in shares)
+    with torch.no_grad():
+        plain[-3].bias.fill_(-1e3)  # (the last LayerNorm's shift: its ReLU all dead)
+    assert dead_units(plain, x)[-1] == 100.0
+
+
 #: The checked-in run of the quick profile (README: "This repository's run").
 CHECKED_IN = Path(__file__).resolve().parent.parent / "docs" / "lab-report" / RESULTS
 

@@ -11,7 +11,7 @@ Example:
     >>> from normkit.lab import experiment_names
     >>> experiment_names()
     ['inputs', 'bn-learning-rate', 'batch-size', 'rnn', 'transformer', 'train-eval-gap',
-     'smoothness', 'weight-norm', 'norm-free', 'invariances', 'cost']
+     'smoothness', 'weight-norm', 'ln-init', 'norm-free', 'invariances', 'cost']
 """
 
 from __future__ import annotations

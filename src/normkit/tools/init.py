@@ -128,11 +128,14 @@ def init_norms_(model: nn.Module, weight: float = 1.0, bias: float = 0.0,
     The articles' advice: start every norm at the identity, ``gamma = 1`` and
     ``beta = 0`` ("深度学习归一化技术：BN与LN原理及应用对比"), optionally with a small
     positive ``beta`` (e.g. 0.1) for a LayerNorm whose output goes straight into a ReLU,
-    so that half of its units are not dead at the start (``bias_before_relu``; found by
-    tracing the model with torch.fx, or from ``nn.Sequential`` order when it does not
-    trace). ``zero_init_residual`` sets ``gamma = 0`` in the last norm of each residual
-    branch (Goyal et al. 2017), so every residual block starts as the identity; the
-    branches are found by tracing (the longer operand of each addition).
+    against dead units (``bias_before_relu``; such LayerNorms are found by tracing the
+    model with torch.fx, or from ``nn.Sequential`` order when it does not trace). The
+    lab's ``ln-init`` experiment, an 8-block MLP on digits, measured slightly *more*
+    units dead at initialization with 0.1 than with 0 (in its deeper blocks) and no
+    clear difference after training. ``zero_init_residual`` sets ``gamma = 0`` in the
+    last norm of each residual branch (Goyal et al. 2017), so every residual block starts
+    as the identity; the branches are found by tracing (the longer operand of each
+    addition).
 
     Args:
         model: changed in place (the trailing underscore).

@@ -15,6 +15,7 @@ from .bn_learning_rate import BNLearningRate
 from .cost import Cost
 from .inputs import Inputs
 from .invariances import Invariances
+from .ln_init import LNInit
 from .norm_free import NormFree
 from .rnn import RNN
 from .smoothness import Smoothness
@@ -27,7 +28,7 @@ __all__ = ["EXPERIMENTS", "names", "get_experiment"]
 #: Every experiment, in the order of the report.
 EXPERIMENTS: tuple[Experiment, ...] = (
     Inputs(), BNLearningRate(), BatchSize(), RNN(), TransformerNorms(), TrainEvalGap(),
-    Smoothness(), WeightNormExperiment(), NormFree(), Invariances(), Cost(),
+    Smoothness(), WeightNormExperiment(), LNInit(), NormFree(), Invariances(), Cost(),
 )
 
 
