@@ -550,3 +550,14 @@ def test_nested_input_errors():
     with pytest.raises(ValueError, match=r"shape \(\*, 4\).*got a jagged nested tensor of "
                                          r"shape \(2, 4, j\d+\)"):
         layer(channels_first)
+
+
+def test_the_training_output_is_a_tensor_of_its_own_not_a_view():
+    """As torch.nn's norms return: FSDP2 warns for a sharded module whose output is a view
+    (an in-place op on it would skip its pre-backward hook)."""
+    layer = PowerNorm(6)
+    for x in (torch.randn(3, 4, 6), torch.randn(5, 6), torch.randn(2, 3, 9)[..., :6]):
+        y = layer.train()(x.requires_grad_())
+        assert not y._is_view() and y.shape == x.shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape

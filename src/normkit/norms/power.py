@@ -166,16 +166,26 @@ class _PowerFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, xs, weight, bias, inv_fwd, inv_bwd, ema_gz, alpha_bkw, keep, count,
+    def forward(ctx, x, weight, bias, inv_fwd, inv_bwd, ema_gz, alpha_bkw, keep, count,
                 squares):
-        # xs: (N, C) rows; keep: (N, 1) or None; squares: the sum of xs**2 over the
-        # counted rows
+        # x: (*, C), the scaled input; keep: (N, 1) or None for its N rows; squares: the
+        # sum of x**2 over the counted rows
+        xs = x.reshape(-1, x.shape[-1])  # (N, C)
         scale = inv_fwd if weight is None else inv_fwd * weight.to(xs.dtype)
-        y = (torch.mul(xs, scale, out=out_like(xs)) if bias is None
-             else torch.addcmul(bias.to(xs.dtype), xs, scale, out=out_like(xs)))
+        # (the output allocated in the input's shape and written through its (N, C) view:
+        # a layer's output that is a view makes FSDP2 warn that an in-place op on it would
+        # skip its hooks)
+        out = out_like(x, memory_format=torch.contiguous_format)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+        rows = out.view(xs.shape)
+        if bias is None:
+            torch.mul(xs, scale, out=rows)
+        else:
+            torch.addcmul(bias.to(xs.dtype), xs, scale, out=rows)
         ctx.save_for_backward(xs, weight, inv_fwd, inv_bwd, keep, count, squares)
+        ctx.shape = x.shape
         ctx.ema_gz, ctx.alpha_bkw, ctx.has_bias = ema_gz, alpha_bkw, bias is not None
-        return y
+        return out
 
     @staticmethod
     @once_differentiable
@@ -187,7 +197,7 @@ class _PowerFunction(torch.autograd.Function):
         #   dweight = sum(g z)                 = inv_fwd sum(g xs)
         # so one blocked pass gives every per-channel sum, and dx takes two passes
         xs, weight, inv_fwd, inv_bwd, keep, count, squares = ctx.saved_tensors
-        g = dy.to(xs.dtype)
+        g = dy.reshape(xs.shape).to(xs.dtype)
         w = None if weight is None else weight.to(xs.dtype)
         v = (1.0 - ctx.alpha_bkw) * ctx.ema_gz.to(xs.dtype)
         kept_gx, all_gx = column_dot(g, xs, keep, total=True)
@@ -198,7 +208,7 @@ class _PowerFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = torch.mul(g, inv_bwd if w is None else w * inv_bwd,
                            out=out_like(xs, memory_format=torch.contiguous_format))
-            dx.addcmul_(xs, -(v * inv_fwd * inv_bwd))
+            dx = dx.addcmul_(xs, -(v * inv_fwd * inv_bwd)).view(ctx.shape)
         ctx.ema_gz.add_(step.to(ctx.ema_gz.dtype))
         dw = db = None
         if weight is not None and ctx.needs_input_grad[1]:
@@ -518,7 +528,8 @@ class PowerNorm(NotScriptable, nn.Module):
     def _training_forward(self, input: Tensor, xs: Tensor,
                           padding_mask: Tensor | None) -> Tensor:
         compute, c = xs.dtype, self.num_features
-        rows = xs.reshape(-1, c)
+        xs = xs.contiguous()  # (one copy at most: the rows below and the autograd node's)
+        rows = xs.view(-1, c)
         if padding_mask is None:
             keep = None
             count = rows.new_full((), float(rows.shape[0]))
@@ -542,6 +553,6 @@ class PowerNorm(NotScriptable, nn.Module):
             averaged = torch.where(step < self.warmup_iters, phi * (t - 1) / t + psi2 / t, phi)
             self.running_phi.copy_(self.alpha_fwd * averaged + (1 - self.alpha_fwd) * psi2)
             self.num_batches_tracked.add_(1)
-        y = _PowerFunction.apply(rows, self.weight, self.bias, inv_fwd, inv_batch,
+        y = _PowerFunction.apply(xs, self.weight, self.bias, inv_fwd, inv_batch,
                                  self.ema_gz, self.alpha_bkw, keep, count, squares)
-        return y.view(input.shape).to(input.dtype)
+        return y.to(input.dtype)
