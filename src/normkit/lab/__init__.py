@@ -10,8 +10,9 @@ See :func:`normkit.lab.cli.main` for the command line.
 Example:
     >>> from normkit.lab import experiment_names
     >>> experiment_names()
-    ['inputs', 'bn-learning-rate', 'batch-size', 'rnn', 'transformer', 'train-eval-gap',
-     'smoothness', 'weight-norm', 'ln-init', 'norm-free', 'invariances', 'cost']
+    ['inputs', 'bn-learning-rate', 'lr-sensitivity', 'batch-size', 'rnn', 'transformer',
+     'train-eval-gap', 'smoothness', 'weight-norm', 'ln-init', 'norm-free', 'invariances',
+     'cost']
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Example:
     >>> names()[:3]
-    ['inputs', 'bn-learning-rate', 'batch-size']
+    ['inputs', 'bn-learning-rate', 'lr-sensitivity']
     >>> get_experiment("rnn").title
     'LayerNorm in recurrent networks'
 """
@@ -16,6 +16,7 @@ from .cost import Cost
 from .inputs import Inputs
 from .invariances import Invariances
 from .ln_init import LNInit
+from .lr_sensitivity import LRSensitivity
 from .norm_free import NormFree
 from .rnn import RNN
 from .smoothness import Smoothness
@@ -27,8 +28,9 @@ __all__ = ["EXPERIMENTS", "names", "get_experiment"]
 
 #: Every experiment, in the order of the report.
 EXPERIMENTS: tuple[Experiment, ...] = (
-    Inputs(), BNLearningRate(), BatchSize(), RNN(), TransformerNorms(), TrainEvalGap(),
-    Smoothness(), WeightNormExperiment(), LNInit(), NormFree(), Invariances(), Cost(),
+    Inputs(), BNLearningRate(), LRSensitivity(), BatchSize(), RNN(), TransformerNorms(),
+    TrainEvalGap(), Smoothness(), WeightNormExperiment(), LNInit(), NormFree(), Invariances(),
+    Cost(),
 )
 
 
@@ -37,7 +39,7 @@ def names() -> list[str]:
 
     Example:
         >>> names()[:3]
-        ['inputs', 'bn-learning-rate', 'batch-size']
+        ['inputs', 'bn-learning-rate', 'lr-sensitivity']
     """
     return [e.name for e in EXPERIMENTS]
 
