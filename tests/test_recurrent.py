@@ -586,3 +586,16 @@ def test_16bit_lstm_is_no_less_accurate_than_torchs(dtype):
                 for got, want in ((out, ref_out), (h, ref_h), (c, ref_c),
                                   (x.grad, ref_x.grad))], dtype=torch.float64)
     assert bool((errors["normkit"] <= 1.25 * errors["torch"]).all()), errors
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("shape", [(5, 2, 4), (5, 4)], ids=["batched", "unbatched"])
+def test_the_output_is_a_view_exactly_where_torchs_is(batch_first, shape):
+    """torch's LSTM returns a tensor of its own, except batch-first and unbatched outputs
+    (views); FSDP2 warns for a sharded module whose output is a view."""
+    x = torch.randn(shape)
+    ours = LayerNormLSTM(4, 3, num_layers=2, bidirectional=True,
+                         batch_first=batch_first)(x)[0]
+    theirs = torch.nn.LSTM(4, 3, num_layers=2, bidirectional=True,
+                           batch_first=batch_first)(x)[0]
+    assert ours.shape == theirs.shape and ours._is_view() == theirs._is_view()

@@ -82,7 +82,7 @@ def _step(gates_x: Tensor, h: Tensor, c: Tensor, weight_hh: Tensor,
 
 def _run_direction(gates_x: Tensor, batch_sizes: list[int], h0: Tensor, c0: Tensor,
                    weight_hh: Tensor, ln_hh: LayerNorm | None, ln_cell: LayerNorm | None,
-                   reverse: bool) -> tuple[Tensor, Tensor, Tensor]:
+                   reverse: bool, stacked: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Run one layer in one direction over time-major packed rows.
 
     ``gates_x`` is ``(T, 4H)`` laid out like ``PackedSequence.data``: time step ``t``
@@ -92,8 +92,9 @@ def _run_direction(gates_x: Tensor, batch_sizes: list[int], h0: Tensor, c0: Tens
     forward direction a sequence's state is set aside when it ends; in reverse each
     sequence starts from its initial state at its own last valid step.
 
-    Returns ``output`` ``(T, H)`` (packed like ``gates_x``) and ``h_n``, ``c_n``
-    ``(N, H)``, the state after each sequence's last processed step.
+    Returns ``output`` ``(T, H)`` (packed like ``gates_x``; with ``stacked``, for a
+    padded batch, ``(L, N, H)``: the same values, a tensor of its own rather than a view)
+    and ``h_n``, ``c_n`` ``(N, H)``, the state after each sequence's last processed step.
     """
     starts = list(itertools.accumulate(batch_sizes, initial=0))
     outputs: list[Tensor] = []
@@ -126,7 +127,7 @@ def _run_direction(gates_x: Tensor, batch_sizes: list[int], h0: Tensor, c0: Tens
             outputs.append(h)
         outputs.reverse()
         h_n, c_n = h, c
-    return torch.cat(outputs), h_n, c_n.to(h_n.dtype)
+    return (torch.stack(outputs) if stacked else torch.cat(outputs)), h_n, c_n.to(h_n.dtype)
 
 
 # --------------------------------------------------------------------------- checks
@@ -532,14 +533,17 @@ class LayerNormLSTM(NotScriptable, nn.Module):
                     layer_input, getattr(self, f"weight_ih{sfx}"),
                     getattr(self, f"bias_ih{sfx}"), getattr(self, f"bias_hh{sfx}"),
                     getattr(self, f"ln_ih{sfx}"))  # (T, 4H)
+                # (the last layer of a padded batch stacked as (L, N, H): its output is
+                # then a tensor of its own, as torch's LSTM's, not a view)
                 out, h, c = _run_direction(
                     gates_x, batch_sizes, h0[k], c0[k], getattr(self, f"weight_hh{sfx}"),
                     getattr(self, f"ln_hh{sfx}"), getattr(self, f"ln_cell{sfx}"),
-                    reverse=direction == 1)
+                    reverse=direction == 1,
+                    stacked=not packed and layer == self.num_layers - 1)
                 outputs.append(out)
                 h_n.append(h)
                 c_n.append(c)
-            layer_input = torch.cat(outputs, dim=1) if num_directions == 2 else outputs[0]
+            layer_input = torch.cat(outputs, dim=-1) if num_directions == 2 else outputs[0]
             if layer < self.num_layers - 1 and self.dropout > 0:
                 layer_input = TF.dropout(layer_input, self.dropout, self.training)
         h_out, c_out = torch.stack(h_n), torch.stack(c_n)  # (D * num_layers, N, H)
@@ -551,7 +555,7 @@ class LayerNormLSTM(NotScriptable, nn.Module):
             output = PackedSequence(layer_input, batch_sizes_t, sorted_indices,
                                     unsorted_indices)
             return output, (h_out, c_out)
-        output = layer_input.view(steps, n, num_directions * self.hidden_size)
+        output = layer_input  # (L, N, D * H)
         if unbatched:
             return output.squeeze(1), (h_out.squeeze(1), c_out.squeeze(1))
         if self.batch_first:
