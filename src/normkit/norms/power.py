@@ -139,8 +139,8 @@ def column_dot(a: Tensor, b: Tensor, keep: Tensor | None = None, *,
             weighted.addmv_(part.t(), keep[start:start + rows, 0].to(dtype))
     if keep is not None and not bool(torch.isfinite(weighted).all()):
         # a NaN or inf times a weight of 0 is NaN: the sums again with the rows left out
-        # zeroed (2-5x the matrix-vector product's time at 4096 x 768-8192, measured by
-        # benchmarks/power_norm_sums.py's shapes: so only where needed)
+        # zeroed (a masking pass per block: 2-5x the matrix-vector product's time in a
+        # scratch timing at 4096 x 768-8192, hence only where needed)
         weighted.zero_()
         for start in range(0, n, rows):
             block = a[start:start + rows]
