@@ -284,9 +284,10 @@ def batch_norm(
         if _torch_kernels(backend, input) or (backend == "auto" and deploying()):
             # torch.export/jit.trace: torch's batch_norm, the same formula on the same
             # statistics (equal accuracy), so that the recorded program holds a batch norm
-            # its consumers recognize -- ONNX's BatchNormalization (4x the speed of the
-            # formula's elementwise ops in onnxruntime, measured: README), conv + BN
-            # folding -- where the formula would be anonymous elementwise ops
+            # its consumers recognize -- ONNX's BatchNormalization (3.5-4x the speed of
+            # the formula's elementwise ops in onnxruntime: benchmarks/onnx_export.py,
+            # RESULTS.md), conv + BN folding -- where the formula would be anonymous
+            # elementwise ops
             return torch.nn.functional.batch_norm(input, running_mean, running_var, weight,
                                                   bias, False, momentum, eps)
         if backend == "auto" and not compiling():

@@ -263,7 +263,7 @@ def deploying() -> bool:
     Inference BatchNorm (and InstanceNorm on running statistics) then records torch's
     ``batch_norm``: the same formula on the same statistics, which the consumers of such
     programs recognize (ONNX ``BatchNormalization``, conv + BN folding) where the
-    reference math is four anonymous elementwise operators.
+    reference math is a few anonymous elementwise operators.
 
     Example:
         >>> deploying()
