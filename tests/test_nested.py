@@ -210,8 +210,13 @@ def test_adaptive_layer_norm_modulates_each_jagged_sequence_by_its_condition():
     y = layer(_nested(seqs, torch.jagged), cond)
     for i, (got, s) in enumerate(zip(y.unbind(), seqs, strict=True)):
         assert_close(got, layer(s[None], cond[i:i + 1])[0], torch.float64)
-    with pytest.raises(ValueError, match="jagged nested tensor, got a strided nested"):
+    with pytest.raises(ValueError, match="ragged dim second .*got a strided nested"):
         layer(_nested(seqs, torch.strided), cond)
+    transposed = torch.nested.nested_tensor([s.view(-1, 2, C // 2).transpose(0, 1)
+                                             for s in seqs], layout=torch.jagged)
+    with pytest.raises(ValueError, match=r"ragged dim second .*got a jagged nested tensor "
+                                         r"of shape \(3, 2, j\d+, 4\)"):
+        normkit.AdaptiveLayerNorm(C // 2, 4).double()(transposed, cond)
 
 
 REFUSING = {

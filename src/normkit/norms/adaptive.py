@@ -130,10 +130,14 @@ class AdaptiveLayerNorm(_Modulated):
     def forward(self, x: Tensor, cond: Tensor) -> Tensor:
         if isinstance(x, Proxy) or isinstance(cond, Proxy):
             return fx_leaf(self, x, cond)
-        if isinstance(x, Tensor) and x.is_nested and x.layout != torch.jagged:
+        if isinstance(x, Tensor) and x.is_nested and (x.layout != torch.jagged
+                                                       or x._ragged_idx != 1):
             raise ValueError(f"AdaptiveLayerNorm expected a dense tensor or a jagged nested "
-                             f"tensor, got {_nested.describe(x)}: build it with "
-                             f"torch.nested.nested_tensor(..., layout=torch.jagged)")
+                             f"tensor with its ragged dim second (N, j, ..., D), got "
+                             f"{_nested.describe(x)}" + (
+                                 "" if x.layout == torch.jagged else
+                                 ": build it with torch.nested.nested_tensor(..., "
+                                 "layout=torch.jagged)"))
         if x.dim() < 2:
             raise ValueError(f"AdaptiveLayerNorm expected input of shape (N, *, "
                              f"{self.features}) with a batch dim, got {shape_str(x)}")
