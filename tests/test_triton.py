@@ -977,3 +977,43 @@ def test_fuzz_channel_kernels(op, data):
     assert y.dtype == dtype and y.shape == x.shape
     order = data.draw(st.sampled_from([1, 1, 2]))
     _fuzz_check(y, yd, [x, w, b], [xd, wd, bd], dtype, f"{what} order {order}", order=order)
+
+
+@pytest.mark.parametrize("op", ["ln", "rms", "add_rms"])
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_jagged_sequences_take_the_row_kernels(op, backend, monkeypatch):
+    """A jagged nested batch (``torch.nested``, normkit.norms._nested) runs the row kernels
+    on its packed tokens: per-sequence values and gradients as the float64 reference,
+    the result nested like the input."""
+    from normkit import functional as NF
+    from normkit.norms import fused
+
+    if backend == "auto":
+        _auto_as_on_cuda(monkeypatch)
+    seqs = [rand(n, 40, grad=False) for n in (3, 1, 5)]
+    x = torch.nested.nested_tensor(seqs, layout=torch.jagged, requires_grad=True)
+    w = param(40)
+    b = param(40) if op == "ln" else None
+    if op == "ln":
+        y = NF.layer_norm(x, 40, w, b, backend=backend)
+    elif op == "rms":
+        y = NF.rms_norm(x, 40, w, 1e-6, backend=backend)
+    else:
+        y, _ = fused.add_rms_norm(x, x, 40, w, 1e-6, backend=backend)
+    assert y.is_nested and y.shape == x.shape
+    nodes, seen = [y.grad_fn], []
+    for _ in range(3):  # (the nested view's node, then the kernel's)
+        nodes = [f for n in nodes for f, _ in n.next_functions if f is not None]
+        seen += [type(n).__name__ for n in nodes]
+    assert any("RowNormFunction" in name for name in seen), seen
+    xd, wd, bd = leaves(torch.cat(seqs).requires_grad_(), w, b)
+    sd = xd + xd if op == "add_rms" else xd
+    yd = ref_rows("ln" if op == "ln" else "rms", sd, wd, bd, 1e-5 if op == "ln" else 1e-6)
+    close(y.values(), yd, F32, "normed")
+    dy = torch.randn_like(y.values())
+    got = grads([y.values()], [x, w, b], [dy])
+    got[0] = got[0].values()  # (the nested input's gradient: its packed tokens')
+    want = grads([yd], [xd, wd, bd], [dy.double()])
+    for name, g, e in zip(("x", "w", "b"), got, want, strict=True):
+        if e is not None:
+            close(g, e, F32, name)
