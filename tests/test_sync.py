@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -118,6 +120,25 @@ def test_convert_errors_say_what_is_missing():
         normkit.convert_sync_batchnorm(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="SyncBatchNorm layers"):
         normkit.revert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+
+
+def test_layers_with_batch_statistics_it_cannot_synchronize_are_named():
+    """BatchRenorm, MeanOnlyBatchNorm and PowerNorm have no synchronized version: a model
+    holding them besides BatchNorm converts the BatchNorm and warns naming them; one
+    holding only them raises, naming them (not "no BatchNorm layers")."""
+    net = torch.nn.Sequential(torch.nn.BatchNorm2d(3), normkit.BatchRenorm2d(3),
+                              torch.nn.Sequential(normkit.MeanOnlyBatchNorm2d(3)))
+    with pytest.warns(UserWarning, match=r"left '1' \(BatchRenorm2d\), '2.0' "
+                                         r"\(MeanOnlyBatchNorm2d\) as they are"):
+        synced = normkit.convert_sync_batchnorm(net)
+    assert [type(m).__name__ for m in (synced[0], synced[1], synced[2][0])] == [
+        "SyncBatchNorm", "BatchRenorm2d", "MeanOnlyBatchNorm2d"]
+    with warnings.catch_warnings():  # (where= leaves them out: nothing to say)
+        warnings.simplefilter("error")
+        normkit.convert_sync_batchnorm(
+            net, where=lambda name, m: type(m) is torch.nn.BatchNorm2d)
+    with pytest.raises(ValueError, match=r"no BatchNorm to synchronize.*'0' \(PowerNorm\)"):
+        normkit.convert_sync_batchnorm(torch.nn.Sequential(normkit.PowerNorm(4)))
 
 
 def test_classmethod_conversion_builds_normkit_layers():

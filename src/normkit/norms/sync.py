@@ -10,6 +10,8 @@ concatenated batch.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -296,9 +298,38 @@ def convert_sync_batchnorm(model: nn.Module, process_group=None, *, where=None) 
 
     refuse_own_forwards(model, match, "convert_sync_batchnorm", with_names=True,
                         hint="; leave them out with normkit.convert_sync_batchnorm(..., where=...)")
-    return replace_modules(model, match, lambda name, bn: keep_activation(bn, build(bn)),
-                           "BatchNorm layers" + ("" if where is None else " selected by where"),
-                           with_names=True, tool="convert_sync_batchnorm")
+    unsynced = _unsynced_batch_statistics(model, where)
+    if unsynced and not any(match(name, m) for name, m in model.named_modules()):
+        raise ValueError(
+            f"convert_sync_batchnorm found no BatchNorm to synchronize in the "
+            f"{type(model).__name__}; its {unsynced} have batch statistics that normkit has "
+            f"no synchronized version of: under DistributedDataParallel they stay each "
+            f"process's")
+    converted = replace_modules(
+        model, match, lambda name, bn: keep_activation(bn, build(bn)),
+        "BatchNorm layers" + ("" if where is None else " selected by where"),
+        with_names=True, tool="convert_sync_batchnorm")
+    if unsynced:
+        warnings.warn(
+            f"convert_sync_batchnorm left {unsynced} as they are: normkit has no "
+            f"synchronized version of them, so under DistributedDataParallel their batch "
+            f"statistics stay each process's (pass where= to silence this by leaving them "
+            f"out of the selection)", UserWarning, stacklevel=2)
+    return converted
+
+
+def _unsynced_batch_statistics(model: nn.Module, where) -> str:
+    """The layers with batch statistics that :func:`convert_sync_batchnorm` cannot
+    synchronize (Batch Renormalization, mean-only BatchNorm, PowerNorm), as
+    ``'name' (Class), ...``; empty when none (or none that ``where`` selects)."""
+    from .batch import _BatchRenormForward
+    from .mean_only import _MeanOnlyBatchNorm
+    from .power import PowerNorm
+
+    kinds = (_BatchRenormForward, _MeanOnlyBatchNorm, PowerNorm)
+    found = [f"{name!r} ({type(m).__name__})" for name, m in model.named_modules()
+             if isinstance(m, kinds) and (where is None or bool(where(name, m)))]
+    return ", ".join(found)
 
 
 def revert_sync_batchnorm(model: nn.Module, cls: type[nn.Module] = BatchNorm) -> nn.Module:
