@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -110,6 +112,25 @@ def test_freeze_and_unfreeze_a_model():
         normkit.freeze_batchnorm(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="FrozenBatchNorm layers"):
         normkit.unfreeze_batchnorm(net)
+
+
+def test_layers_with_running_statistics_it_cannot_freeze_are_named():
+    """MeanOnlyBatchNorm and PowerNorm have no frozen version: freezing a model holding
+    them besides BatchNorm (BatchRenorm freezes) warns naming them, a model holding only
+    them raises naming them, and where= leaving them out is silent."""
+    net = torch.nn.Sequential(torch.nn.BatchNorm1d(4), normkit.BatchRenorm1d(4),
+                              normkit.MeanOnlyBatchNorm1d(4), normkit.PowerNorm(4))
+    with pytest.warns(UserWarning, match=r"left '2' \(MeanOnlyBatchNorm1d\), '3' "
+                                         r"\(PowerNorm\) as they are.*module\.eval\(\)"):
+        frozen = normkit.freeze_batchnorm(net)
+    assert [type(m).__name__ for m in frozen] == [
+        "FrozenBatchNorm1d", "FrozenBatchNorm1d", "MeanOnlyBatchNorm1d", "PowerNorm"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        normkit.freeze_batchnorm(net, where=lambda name, m: name in ("0", "1"))
+    with pytest.raises(ValueError, match=r"no BatchNorm to freeze.*'0' "
+                                         r"\(MeanOnlyBatchNorm2d\)"):
+        normkit.freeze_batchnorm(torch.nn.Sequential(normkit.MeanOnlyBatchNorm2d(3)))
 
 
 def test_renorm_schedule():

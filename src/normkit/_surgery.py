@@ -264,6 +264,20 @@ def check_initialized(model: nn.Module, tool: str, named=None) -> None:
                 f"lazy module takes its sizes from it), then call {tool}")
 
 
+def layers_named(model: nn.Module, kinds: tuple[type, ...], where=None) -> str:
+    """``'name' (Class), ...`` of the modules of ``kinds`` in ``model`` that
+    ``where(name, module)`` selects (every one by default); empty when none: the layers a
+    tool leaves as they are, for its warning or error.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU()))
+        >>> layers_named(net, (nn.ReLU,))
+        "'1.0' (ReLU)"
+    """
+    return ", ".join(f"{name!r} ({type(m).__name__})" for name, m in model.named_modules()
+                     if isinstance(m, kinds) and (where is None or bool(where(name, m))))
+
+
 def replace_modules(model: nn.Module, match: Callable[..., bool],
                     build: Callable[..., nn.Module], what: str, *,
                     with_names: bool = False, tool: str = "this tool") -> nn.Module:

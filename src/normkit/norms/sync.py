@@ -22,6 +22,7 @@ from .. import _stats
 from .. import functional as F
 from .._surgery import (
     keep_activation,
+    layers_named,
     move_parametrizations,
     refuse_own_forwards,
     replace_modules,
@@ -326,10 +327,7 @@ def _unsynced_batch_statistics(model: nn.Module, where) -> str:
     from .mean_only import _MeanOnlyBatchNorm
     from .power import PowerNorm
 
-    kinds = (_BatchRenormForward, _MeanOnlyBatchNorm, PowerNorm)
-    found = [f"{name!r} ({type(m).__name__})" for name, m in model.named_modules()
-             if isinstance(m, kinds) and (where is None or bool(where(name, m)))]
-    return ", ".join(found)
+    return layers_named(model, (_BatchRenormForward, _MeanOnlyBatchNorm, PowerNorm), where)
 
 
 def revert_sync_batchnorm(model: nn.Module, cls: type[nn.Module] = BatchNorm) -> nn.Module:
