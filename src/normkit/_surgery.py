@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 from torch import nn
@@ -276,6 +277,20 @@ def layers_named(model: nn.Module, kinds: tuple[type, ...], where=None) -> str:
     """
     return ", ".join(f"{name!r} ({type(m).__name__})" for name, m in model.named_modules()
                      if isinstance(m, kinds) and (where is None or bool(where(name, m))))
+
+
+def replace_naming_the_rest(model: nn.Module, match: Callable[..., bool], build, what: str,
+                            tool: str, rest: str, alone: str, left: str) -> nn.Module:
+    """:func:`replace_modules` (with names) for a tool that has no version of some layers
+    ``rest`` names (see :func:`layers_named`): a ValueError saying ``alone`` when they
+    are all the model holds, else the replacement, then a UserWarning saying ``left``.
+    Nothing is said when ``rest`` is empty."""
+    if rest and not any(match(name, m) for name, m in model.named_modules()):
+        raise ValueError(alone)
+    replaced = replace_modules(model, match, build, what, with_names=True, tool=tool)
+    if rest:
+        warnings.warn(left, UserWarning, stacklevel=3)  # (at the tool's caller)
+    return replaced
 
 
 def replace_modules(model: nn.Module, match: Callable[..., bool],

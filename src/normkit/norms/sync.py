@@ -10,8 +10,6 @@ concatenated batch.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -26,6 +24,7 @@ from .._surgery import (
     move_parametrizations,
     refuse_own_forwards,
     replace_modules,
+    replace_naming_the_rest,
 )
 from ._base import fx_leaf
 from .batch import (
@@ -300,23 +299,16 @@ def convert_sync_batchnorm(model: nn.Module, process_group=None, *, where=None) 
     refuse_own_forwards(model, match, "convert_sync_batchnorm", with_names=True,
                         hint="; leave them out with normkit.convert_sync_batchnorm(..., where=...)")
     unsynced = _unsynced_batch_statistics(model, where)
-    if unsynced and not any(match(name, m) for name, m in model.named_modules()):
-        raise ValueError(
-            f"convert_sync_batchnorm found no BatchNorm to synchronize in the "
-            f"{type(model).__name__}; its {unsynced} have batch statistics that normkit has "
-            f"no synchronized version of: under DistributedDataParallel they stay each "
-            f"process's")
-    converted = replace_modules(
+    return replace_naming_the_rest(
         model, match, lambda name, bn: keep_activation(bn, build(bn)),
         "BatchNorm layers" + ("" if where is None else " selected by where"),
-        with_names=True, tool="convert_sync_batchnorm")
-    if unsynced:
-        warnings.warn(
-            f"convert_sync_batchnorm left {unsynced} as they are: normkit has no "
-            f"synchronized version of them, so under DistributedDataParallel their batch "
-            f"statistics stay each process's (pass where= to silence this by leaving them "
-            f"out of the selection)", UserWarning, stacklevel=2)
-    return converted
+        "convert_sync_batchnorm", unsynced,
+        f"convert_sync_batchnorm found no BatchNorm to synchronize in the "
+        f"{type(model).__name__}; its {unsynced} have batch statistics that normkit has no "
+        f"synchronized version of: under DistributedDataParallel they stay each process's",
+        f"convert_sync_batchnorm left {unsynced} as they are: normkit has no synchronized "
+        f"version of them, so under DistributedDataParallel their batch statistics stay "
+        f"each process's (pass where= to silence this by leaving them out of the selection)")
 
 
 def _unsynced_batch_statistics(model: nn.Module, where) -> str:

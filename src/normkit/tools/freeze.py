@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import warnings
-
 from torch import nn
 
-from .._surgery import keep_activation, layers_named, refuse_own_forwards, replace_modules
+from .._surgery import (
+    keep_activation,
+    layers_named,
+    refuse_own_forwards,
+    replace_modules,
+    replace_naming_the_rest,
+)
 from ..norms.batch import (
     FrozenBatchNorm,
     FrozenBatchNorm1d,
@@ -58,23 +62,18 @@ def freeze_batchnorm(model: nn.Module, *, where=None) -> nn.Module:
                         hint="; leave them out with normkit.freeze_batchnorm(..., where=...)")
     # (running statistics that a training forward updates, with no frozen version)
     unfrozen = layers_named(model, (_MeanOnlyBatchNorm, PowerNorm), where)
-    if unfrozen and not any(match(name, m) for name, m in model.named_modules()):
-        raise ValueError(
-            f"freeze_batchnorm found no BatchNorm to freeze in the {type(model).__name__}; "
-            f"its {unfrozen} keep running statistics that training updates and have no "
-            f"frozen version: put them in eval mode (module.eval()) to stop the updates")
-    frozen = replace_modules(
+    return replace_naming_the_rest(
         model, match,
         lambda name, bn: keep_activation(bn, _frozen_class(bn).from_batchnorm(bn)),
         "BatchNorm layers" + ("" if where is None else " selected by where"),
-        with_names=True, tool="freeze_batchnorm")
-    if unfrozen:
-        warnings.warn(
-            f"freeze_batchnorm left {unfrozen} as they are: they have no frozen version, "
-            f"so training still updates their running statistics; put them in eval mode "
-            f"(module.eval()) to stop that (pass where= to silence this by leaving them "
-            f"out of the selection)", UserWarning, stacklevel=2)
-    return frozen
+        "freeze_batchnorm", unfrozen,
+        f"freeze_batchnorm found no BatchNorm to freeze in the {type(model).__name__}; its "
+        f"{unfrozen} keep running statistics that training updates and have no frozen "
+        f"version: put them in eval mode (module.eval()) to stop the updates",
+        f"freeze_batchnorm left {unfrozen} as they are: they have no frozen version, so "
+        f"training still updates their running statistics; put them in eval mode "
+        f"(module.eval()) to stop that (pass where= to silence this by leaving them out "
+        f"of the selection)")
 
 
 def unfreeze_batchnorm(model: nn.Module) -> nn.Module:
