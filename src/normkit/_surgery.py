@@ -284,7 +284,26 @@ def replace_naming_the_rest(model: nn.Module, match: Callable[..., bool], build,
     """:func:`replace_modules` (with names) for a tool that has no version of some layers
     ``rest`` names (see :func:`layers_named`): a ValueError saying ``alone`` when they
     are all the model holds, else the replacement, then a UserWarning saying ``left``.
-    Nothing is said when ``rest`` is empty."""
+    Nothing is said when ``rest`` is empty.
+
+    Example:
+        >>> import warnings
+        >>> net = nn.Sequential(nn.ReLU(), nn.Tanh())
+        >>> def is_relu(name, m):
+        ...     return isinstance(m, nn.ReLU)
+        >>> rest = layers_named(net, (nn.Tanh,))
+        >>> with warnings.catch_warnings(record=True) as said:
+        ...     warnings.simplefilter("always")
+        ...     new = replace_naming_the_rest(net, is_relu, lambda name, m: nn.GELU(), "ReLUs",
+        ...                                   "tool", rest, "only " + rest, "left " + rest)
+        >>> [type(m).__name__ for m in new], str(said[0].message)
+        (['GELU', 'Tanh'], "left '1' (Tanh)")
+        >>> replace_naming_the_rest(nn.Sequential(nn.Tanh()), is_relu, None, "ReLUs", "tool",
+        ...                         "'0' (Tanh)", "only '0' (Tanh)", "")
+        Traceback (most recent call last):
+        ...
+        ValueError: only '0' (Tanh)
+    """
     if rest and not any(match(name, m) for name, m in model.named_modules()):
         raise ValueError(alone)
     replaced = replace_modules(model, match, build, what, with_names=True, tool=tool)
