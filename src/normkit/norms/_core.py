@@ -19,6 +19,9 @@ parameters; everything else happens here, once:
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -286,6 +289,161 @@ def read_before_update(buffer: Tensor) -> Tensor:
         True
     """
     return library.snapshot(buffer) if in_graph() else buffer
+
+
+#: float16's largest finite value: a running variance or mean square above it (a standard
+#: deviation or RMS above 256) is stored as inf.
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+
+
+#: what to do about running statistics that overflowed float16 (:func:`overflowed_float16`)
+FLOAT16_STATISTICS_REMEDY = (
+    "keep the norm layers in float32 -- layer.float(): they take float16 input with "
+    "float32 parameters and statistics and return float16, as under torch.autocast -- or "
+    "fold BatchNorm into the layer before it ahead of .half() (normkit.fold_batchnorm); "
+    "then reload the statistics from the float32 checkpoint or recompute them "
+    "(normkit.update_bn_stats)")
+
+
+def overflowed_float16(value: Tensor) -> bool:
+    """Whether a float16 statistic holds infinite values and no NaN: values past float16's
+    range (:data:`FLOAT16_MAX`), stored or converted.
+
+    Example:
+        >>> overflowed_float16(torch.tensor([1.0, 1e5]).half())
+        True
+        >>> overflowed_float16(torch.tensor([1.0, float("inf")]))  # float32: not range
+        False
+    """
+    return (value.dtype == torch.float16 and bool(torch.isinf(value).any())
+            and not bool(torch.isnan(value).any()))
+
+
+def statistic_problem(module: torch.nn.Module, name: str, value: Tensor) -> str | None:
+    """What is wrong with a running statistic that holds NaN or Inf, why, and what to do
+    (``None`` when every value is finite): the warning an inference forward gives
+    (:func:`check_running_statistics`).
+
+    A float16 statistic with infinite values and no NaN overflowed float16's range when
+    it was stored or converted (``model.half()``, a float32 checkpoint loaded into a
+    float16 model, a float16 training step); anything else usually comes from a training
+    step that diverged.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(2).half()
+        >>> bn.running_var.copy_(torch.tensor([1.0, 1e5]))  # 1e5 > 65504: inf
+        tensor([1., inf], dtype=torch.float16)
+        >>> print(statistic_problem(bn, "running_var", bn.running_var))  # doctest: +ELLIPSIS
+        running_var holds 1 infinite value(s) of 2 in float16, whose largest is 65504: ...
+        >>> statistic_problem(bn, "running_mean", bn.running_mean) is None
+        True
+    """
+    bad = ~torch.isfinite(value.detach())
+    if not bool(bad.any()):
+        return None
+    count, numel = int(bad.sum()), value.numel()
+    if overflowed_float16(value):
+        square = name in ("running_var", "running_phi")
+        return (
+            f"{name} holds {count} infinite value(s) of {numel} in float16, whose largest is "
+            f"{FLOAT16_MAX:.0f}: {'a variance' if name == 'running_var' else 'a value'} "
+            "above it"
+            + (" (a standard deviation above 256)" if name == "running_var" else
+               " (a root mean square above 256)" if square else "")
+            + " overflowed when it was stored or converted (model.half(), a float32 "
+            "checkpoint loaded into a float16 model, a float16 training step), and in "
+            "inference those channels output "
+            + ("their bias alone" if square else "infinite or NaN values")
+            + ". " + FLOAT16_STATISTICS_REMEDY[0].upper() + FLOAT16_STATISTICS_REMEDY[1:])
+    return (f"{name} holds {count} NaN/Inf value(s) of {numel} ({value.dtype}): in "
+            f"inference those channels output NaN or a constant. NaN statistics usually "
+            "come from a training step that diverged: reload the last good checkpoint or "
+            "recompute them (normkit.update_bn_stats), and lower the learning rate or clip "
+            "gradients")
+
+
+#: the module attribute holding what :func:`check_running_statistics` last checked
+_CHECKED = "_normkit_checked_statistics"
+
+
+def check_running_statistics(module: torch.nn.Module,
+                             names: Sequence[str] = ("running_mean", "running_var")) -> None:
+    """Warn (RuntimeWarning) when an inference forward reads running statistics that
+    hold NaN or Inf (see :func:`statistic_problem`): they do not fail loudly -- an
+    infinite variance makes its channels output their bias alone -- so without this a
+    model that overflowed float16 just predicts worse.
+
+    Checks each statistic once per change (its tensor, dtype or in-place version, or a
+    training forward: :func:`forget_checked_statistics`), so a model in eval mode reads
+    back one flag per layer after each training phase or conversion, not at every call
+    (on a GPU, one host sync then). Nothing is checked
+    while torch.compile, torch.export, jit.trace or a ``torch.func`` transform runs
+    the code (:func:`compiling`).
+
+    Example:
+        >>> import warnings
+        >>> bn = torch.nn.BatchNorm1d(2).half().eval()
+        >>> _ = bn.running_var.fill_(float("inf"))
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     check_running_statistics(bn)
+        ...     check_running_statistics(bn)  # unchanged since: not read again
+        >>> len(caught), caught[0].message.args[0][:45]
+        (1, 'BatchNorm1d(2, eps=1e-05, momentum=0.1, affin')
+    """
+    if torch.compiler.is_compiling():
+        return
+    seen = module.__dict__.get(_CHECKED)
+    if seen is None:
+        seen = module.__dict__[_CHECKED] = {}
+    buffers = module._buffers  # (not getattr: nn.Module's __getattr__ costs more here)
+    for name in names:
+        value = buffers.get(name)
+        if value is None:
+            continue
+        try:
+            key = (id(value), value.data_ptr(), value.dtype, value._version)
+        except RuntimeError:  # an inference tensor (no version counter), a fake tensor
+            key = (id(value), None, value.dtype, None)
+        if seen.get(name) == key:
+            continue
+        if compiling():  # (a transform, a trace, a fake mode: checked eagerly later)
+            return
+        seen[name] = key
+        if without_data(value):
+            continue
+        problem = statistic_problem(module, name, value)
+        if problem is not None:
+            warnings.warn(f"{module!r} in eval mode: {problem}", RuntimeWarning,
+                          stacklevel=_caller_level())
+
+
+def forget_checked_statistics(module: torch.nn.Module) -> None:
+    """Make the next :func:`check_running_statistics` of ``module`` read its statistics
+    again: called by every training forward that may update them, since torch's
+    ``batch_norm`` kernel updates them in place without moving their version counter.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm1d(2).eval()
+        >>> check_running_statistics(bn)
+        >>> forget_checked_statistics(bn)
+        >>> _CHECKED in bn.__dict__
+        False
+    """
+    if not torch.compiler.is_compiling():
+        module.__dict__.pop(_CHECKED, None)
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, _stats))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside torch and normkit, from the caller
+    of :func:`warnings.warn` up: the line of user code that called the model."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_backend(backend: str) -> str:

@@ -14,7 +14,9 @@ from ._core import (
     _exporting,
     check_channels,
     check_floating,
+    check_running_statistics,
     compiling,
+    forget_checked_statistics,
     keep_for_recomputation,
     normalize,
     read_before_update,
@@ -124,6 +126,10 @@ class _BatchNormForward(BackendMixin):
         """
         keep = not self.training or self.track_running_stats
         has_running = self.running_mean is not None or self.running_var is not None
+        if self.training:
+            forget_checked_statistics(self)
+        else:
+            check_running_statistics(self)
         skip = self.training and skip_recomputed_update(self, keep and has_running)
         factor = (0.0 if self.momentum is None else self.momentum) if skip else (
             self._momentum_factor())
@@ -261,6 +267,7 @@ class FrozenBatchNorm(NotScriptable, nn.Module):
         if isinstance(input, Proxy):
             return fx_leaf(self, input)
         check_batch_input(self, input, self._ndims, self._shape_doc)
+        check_running_statistics(self)
         # inference BatchNorm: torch's kernel where its check of these statistics passes
         # (a GPU: torch's kernel), normkit's scale_shift past it
         return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
@@ -516,6 +523,7 @@ class _BatchRenormForward(_BatchNormForward):
             return fx_leaf(self, input)
         if not self.training:
             return super().forward(input)
+        forget_checked_statistics(self)
         if self.running_mean is not None and self.num_batches_tracked is not None:
             if recomputing():
                 return self._recomputed(input)

@@ -10,7 +10,14 @@ from torch.fx import Proxy
 
 from .. import functional as F
 from ._base import BackendMixin, fx_leaf
-from ._core import check_channels, check_floating, shape_str, skip_recomputed_update
+from ._core import (
+    check_channels,
+    check_floating,
+    check_running_statistics,
+    forget_checked_statistics,
+    shape_str,
+    skip_recomputed_update,
+)
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
@@ -139,6 +146,10 @@ class _InstanceNormForward(BackendMixin):
                           "statistics (torch.nn warns the same way)", stacklevel=2)
         factor = 0.0 if self.momentum is None else self.momentum
         use_input_stats = self.training or not self.track_running_stats
+        if not use_input_stats:
+            check_running_statistics(self)
+        elif self.training:
+            forget_checked_statistics(self)
         running = (self.running_mean, self.running_var)
         updates = use_input_stats and any(t is not None for t in running)
         if use_input_stats and skip_recomputed_update(self, updates):

@@ -19,7 +19,15 @@ from torch.fx import Proxy
 
 from .. import _stats
 from ._base import NotScriptable, fx_leaf
-from ._core import check_backend, check_floating, compiling, shape_str, skip_recomputed_update
+from ._core import (
+    check_backend,
+    check_floating,
+    check_running_statistics,
+    compiling,
+    forget_checked_statistics,
+    shape_str,
+    skip_recomputed_update,
+)
 
 __all__ = ["MeanOnlyBatchNorm1d", "MeanOnlyBatchNorm2d", "reference_mean_only"]
 
@@ -163,6 +171,7 @@ class _MeanOnlyBatchNorm(NotScriptable, nn.Module):
             out = input if bias is None else input + bias
             return (out if out is not input else input.clone()).to(input.dtype)
         if not self.training and self.running_mean is not None:
+            check_running_statistics(self, ("running_mean",))
             y = _stats.upcast(input) - self.running_mean.view(view)
             return (y if bias is None else y + bias).to(input.dtype)
         dims = (0, *range(2, input.dim()))
@@ -176,6 +185,7 @@ class _MeanOnlyBatchNorm(NotScriptable, nn.Module):
         updates = (self.training and self.track_running_stats
                    and self.running_mean is not None)
         if self.training and not skip_recomputed_update(self, updates) and updates:
+            forget_checked_statistics(self)
             self.num_batches_tracked.add_(1)
             factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                       else self.momentum)

@@ -39,7 +39,9 @@ from . import _nested
 from ._base import NotScriptable, fx_leaf
 from ._core import (
     check_floating,
+    check_running_statistics,
     compiling,
+    forget_checked_statistics,
     keep_for_recomputation,
     may_be_recomputed,
     read_before_update,
@@ -501,6 +503,7 @@ class PowerNorm(NotScriptable, nn.Module):
         compute = _stats.compute_dtype(input.dtype)
         xs = self._scaled(input, compute)
         if not self.training:
+            check_running_statistics(self, ("running_phi",))
             inv = torch.rsqrt(self.running_phi.to(compute) + self.eps)
             return self._affine(xs * inv).to(input.dtype)
         if transformed():
@@ -516,6 +519,7 @@ class PowerNorm(NotScriptable, nn.Module):
             with restored_for_recomputation(self, ("running_phi", "num_batches_tracked")):
                 return self._training_forward(input, xs, padding_mask)
         keep_for_recomputation(self, ("running_phi", "num_batches_tracked"))
+        forget_checked_statistics(self)
         return self._training_forward(input, xs, padding_mask)
 
     def _affine(self, z: Tensor) -> Tensor:

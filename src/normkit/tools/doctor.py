@@ -51,6 +51,7 @@ from torch.nn.utils import parametrize
 
 from .. import _stats
 from .._surgery import is_own_norm
+from ..norms._core import FLOAT16_MAX, FLOAT16_STATISTICS_REMEDY, overflowed_float16
 from ..norms._nested import padding_of_values
 from ..norms.batch import (
     BatchRenorm1d,
@@ -294,7 +295,7 @@ class TensorStats:
             >>> a = TensorStats.of(torch.tensor([[0.0, 2.0]]), axis=1)
             >>> b = TensorStats.of(torch.tensor([[4.0, 6.0]]), axis=1)
             >>> both = a.pooled(b)
-            >>> both.mean, round(both.std ** 2, 12), both.channel_mean_max, both.numel
+            >>> both.mean, round(both.std ** 2, 5), both.channel_mean_max, both.numel
             (3.0, 5.0, 6.0, 4)
         """
         if other is None:
@@ -914,9 +915,13 @@ def _statistics(module: nn.Module, family: str) -> str:
     return "sample"
 
 
+#: the running statistics a norm layer may hold
+_STATISTICS = ("running_mean", "running_var", "running_phi")
+
+
 def _invalid_state(module: nn.Module) -> list[str]:
     problems = []
-    for attr in ("weight", "bias", "running_mean", "running_var", "running_phi", "ema_gz"):
+    for attr in ("weight", "bias", *_STATISTICS, "ema_gz"):
         value = getattr(module, attr, None)
         if not isinstance(value, Tensor) or value.numel() == 0:
             continue
@@ -997,7 +1002,13 @@ def _diagnose(call: _Call, output: TensorStats | None) -> list[tuple[str, str, s
                       "check eps > 0, the running statistics and the affine parameters "
                       "(see invalid-state), and whether the output overflows its dtype"))
     if call.invalid:
+        overflowed = [name for name in _STATISTICS
+                      if isinstance(t := getattr(call.module, name, None), Tensor)
+                      and overflowed_float16(t)]
         found.append(("invalid-state", "; ".join(call.invalid),
+                      f"{' and '.join(overflowed)} overflowed float16 (largest value "
+                      f"{FLOAT16_MAX:.0f}; in inference those channels output their bias "
+                      f"alone or NaN): {FLOAT16_STATISTICS_REMEDY}" if overflowed else
                       "reload the last good checkpoint or reset the layer "
                       "(reset_running_stats() / reset_parameters()); NaN statistics usually "
                       "come from a training step that diverged (lower the learning rate, clip "
@@ -1035,7 +1046,8 @@ def _diagnose(call: _Call, output: TensorStats | None) -> list[tuple[str, str, s
                       "statistics are already polluted, recompute them with "
                       "normkit.update_bn_stats(model, train_loader)"))
     run = call.running
-    finite = inp is not None and not inp.nonfinite
+    # (NaN/Inf statistics or parameters: invalid-state says so; no comparison is meaningful)
+    finite = inp is not None and not inp.nonfinite and not call.invalid
     if (call.family == "powernorm" and call.statistics == "running" and run is not None
             and finite and not 1.0 / STALE_VAR_RATIO <= run.var_ratio_gmean <= STALE_VAR_RATIO):
         message = (f"this PowerNorm normalizes by a running quadratic mean (running_phi) "
