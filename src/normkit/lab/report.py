@@ -312,7 +312,7 @@ def _settings_text(entry: dict, records: list[dict]) -> list[str]:
     wall = sum(r.get("timing", {}).get("wall_s", 0.0) for r in records)
     versions = sorted({r.get("torch") for r in records if r.get("torch")})
     cpus = sorted({r.get("cpu") for r in records if r.get("cpu")})
-    kernels = f" ({', '.join(cpus)} kernels)" if cpus else ""
+    kernels = f" (CPU kernels: {', '.join(cpus)})" if cpus else ""
     items.append(f"torch {', '.join(versions) or '?'}{kernels}, CPU threads per run: "
                  f"{', '.join(map(str, threads)) or '?'}; compute time of the runs: "
                  f"{wall:.1f} s (wall clock)")

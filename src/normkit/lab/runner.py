@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 import sys
 import time
 import traceback
@@ -140,14 +141,44 @@ def shard_by_cost(costs: Sequence[float], world_size: int) -> list[list[int]]:
 
 def cpu_capability() -> str:
     """The instruction set of torch's CPU kernels in this process (``"AVX512"``,
-    ``"AVX2"``, ``"DEFAULT"``...), or ``"?"`` where torch does not say.
+    ``"AVX2"``, ``"DEFAULT"``...; ``"?"`` where torch does not say) and the processor
+    they run on (:func:`processor_model`): ``"AVX512 on GenuineIntel 6/106"``.
+
+    The processor is part of it because MKL and oneDNN (torch's matrix products and
+    convolutions) choose their code paths by processor model, beyond torch's instruction
+    set level: two AVX512 Intel machines of different models gave the lab's runs
+    different float32 bits.
 
     Example:
-        >>> isinstance(cpu_capability(), str)
+        >>> cpu_capability().split(" on ")[0] in ("AVX512", "AVX2", "DEFAULT", "ZVECTOR",
+        ...                                       "VSX", "SVE256", "?")
         True
     """
     get = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
-    return get() if get is not None else "?"
+    return f"{get() if get is not None else '?'} on {processor_model()}"
+
+
+def processor_model() -> str:
+    """The processor's vendor, family and model as ``/proc/cpuinfo`` gives them
+    (``"GenuineIntel 6/106"``), else :func:`platform.processor` or the machine type.
+
+    Example:
+        >>> isinstance(processor_model(), str) and processor_model() != ""
+        True
+    """
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break  # (the first processor is enough)
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    if "vendor_id" in fields:
+        return f"{fields['vendor_id']} {fields.get('cpu family', '?')}/{fields.get('model', '?')}"
+    return platform.processor() or platform.machine() or "?"
 
 
 def execute(experiment: Experiment, spec: RunSpec, on_step=None) -> dict:
@@ -161,9 +192,10 @@ def execute(experiment: Experiment, spec: RunSpec, on_step=None) -> dict:
         ['config', 'cpu', 'experiment', 'key', 'result', 'run_id', 'seed', 'threads',
          'timing', 'torch', 'version']
 
-    ``cpu`` is the instruction set torch's CPU kernels use here
-    (``torch.backends.cpu.get_cpu_capability()``, e.g. ``AVX512``): with the torch
-    version, what a record's bits depend on besides its seed, config and thread count.
+    ``cpu`` is the instruction set torch's CPU kernels use here and the processor
+    model (:func:`cpu_capability`, e.g. ``AVX512 on GenuineIntel 6/106``): with the
+    torch version, what a record's bits depend on besides its seed, config and thread
+    count.
     """
     torch.manual_seed(spec.seed)
     start = time.perf_counter()
