@@ -11,8 +11,8 @@ Example:
     >>> from normkit.lab import experiment_names
     >>> experiment_names()
     ['inputs', 'bn-learning-rate', 'lr-sensitivity', 'batch-size', 'rnn', 'transformer',
-     'train-eval-gap', 'smoothness', 'weight-norm', 'ln-init', 'norm-free', 'invariances',
-     'cost']
+     'train-eval-gap', 'smoothness', 'weight-norm', 'ln-init', 'half-precision', 'norm-free',
+     'invariances', 'cost']
 """
 
 from __future__ import annotations

@@ -131,11 +131,12 @@ def init_norms_(model: nn.Module, weight: float = 1.0, bias: float = 0.0,
     against dead units (``bias_before_relu``; such LayerNorms are found by tracing the
     model with torch.fx, or from ``nn.Sequential`` order when it does not trace). The
     lab's ``ln-init`` experiment, an 8-block MLP on digits, measured slightly *more*
-    units dead at initialization with 0.1 than with 0 (in its deeper blocks) and no
-    clear difference after training. ``zero_init_residual`` sets ``gamma = 0`` in the
-    last norm of each residual branch (Goyal et al. 2017), so every residual block starts
-    as the identity; the branches are found by tracing (the longer operand of each
-    addition).
+    units dead at initialization with 0.1 than with 0 (in its deeper blocks); after
+    training fewer on one machine and no clear difference on another (its high-rate SGD
+    runs turn on float32's last bits: docs/lab-report). ``zero_init_residual`` sets
+    ``gamma = 0`` in the last norm of each residual branch (Goyal et al. 2017), so every
+    residual block starts as the identity; the branches are found by tracing (the longer
+    operand of each addition).
 
     Args:
         model: changed in place (the trailing underscore).

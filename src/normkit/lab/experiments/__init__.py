@@ -13,6 +13,7 @@ from ..core import Experiment
 from .batch_size import BatchSize
 from .bn_learning_rate import BNLearningRate
 from .cost import Cost
+from .half_precision import HalfPrecision
 from .inputs import Inputs
 from .invariances import Invariances
 from .ln_init import LNInit
@@ -29,8 +30,8 @@ __all__ = ["EXPERIMENTS", "names", "get_experiment"]
 #: Every experiment, in the order of the report.
 EXPERIMENTS: tuple[Experiment, ...] = (
     Inputs(), BNLearningRate(), LRSensitivity(), BatchSize(), RNN(), TransformerNorms(),
-    TrainEvalGap(), Smoothness(), WeightNormExperiment(), LNInit(), NormFree(), Invariances(),
-    Cost(),
+    TrainEvalGap(), Smoothness(), WeightNormExperiment(), LNInit(), HalfPrecision(), NormFree(),
+    Invariances(), Cost(),
 )
 
 
