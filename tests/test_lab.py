@@ -327,3 +327,57 @@ def test_the_checked_in_report_is_what_this_code_computes():
     if not compared:
         pytest.skip(f"docs/lab-report was made with another torch or CPU (torch "
                     f"{torch.__version__}, {cpu_capability()} kernels here)")
+
+
+def test_the_half_precision_experiments_precisions_are_what_they_say(monkeypatch):
+    """float16: every parameter and buffer in float16 (running statistics included);
+    norms in float32: the norm layers' in float32, the rest float16; the error with batch
+    statistics leaves the running ones as training left them; the verdicts follow the
+    errors (BatchNorm's float16 rise at the raw scale only: mixed, and the float32 norms
+    remove it)."""
+    from normkit.lab.experiments import half_precision as hp
+
+    seen = {}
+
+    def fake_train(model, data, config, seed, on_step=None, **options):
+        seen[config["precision"]] = (model, data.x_train.dtype)
+        return {"final_test_acc": 0.5, "n_test": data.n_test}
+
+    monkeypatch.setattr(hp, "train_configured", fake_train)
+    exp = hp.HalfPrecision()
+    for spec in exp.plan("tiny", 0):
+        if spec.config["norm"] == "bn" and spec.config["scale"] == hp.RAW_SCALE:
+            out = exp.run(spec.config, spec.seed)
+            assert out["running_var"] == {"max_finite": 1.0, "infinite": 0, "channels": 48}
+    norm_types = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm)
+    for precision, (_, dtype, norms_float32) in hp.PRECISIONS.items():
+        model, data_dtype = seen[precision]
+        assert data_dtype == dtype
+        for module in model.modules():
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            floating = [t for t in tensors if t.is_floating_point()]
+            want = torch.float32 if norms_float32 and isinstance(module, norm_types) else dtype
+            assert all(t.dtype == want for t in floating), (precision, module)
+
+    def record(seed, scale, norm, precision, acc):
+        return {"seed": seed, "config": {"scale": scale, "norm": norm, "precision": precision,
+                                         "steps": 200},
+                "result": {"final_test_acc": acc, "batch_stats_test_acc": 0.98, "n_test": 450,
+                           "statistics_warnings": 0,
+                           "running_var": {"max_finite": 1.0, "infinite": 0, "channels": 48}}}
+
+    def records(broken):
+        out = []
+        for seed in range(3):
+            for _, c, _ in exp.configs(exp.profile_settings("quick")):
+                acc = 0.98 - 0.002 * seed
+                if broken and (c["scale"], c["norm"], c["precision"]) == (
+                        hp.RAW_SCALE, "bn", "float16"):
+                    acc = 0.1
+                out.append(record(seed, c["scale"], c["norm"], c["precision"], acc))
+        return out
+
+    verdicts = {c.id: c.verdict for c in exp.analyze(records(True)).claims}
+    assert verdicts == {"hp.bn_special": "mixed", "hp.bn_float32": "reproduced"}
+    verdicts = {c.id: c.verdict for c in exp.analyze(records(False)).claims}
+    assert verdicts == {"hp.bn_special": "not reproduced", "hp.bn_float32": "not reproduced"}
