@@ -193,3 +193,17 @@ def test_doctor_names_the_float16_overflow_and_not_a_stale_statistic():
         report = doctor(model, x.half())
     invalid = [w for w in report.warnings if w.code == "invalid-state"]
     assert len(invalid) == 1 and "diverged" in invalid[0].remedy
+
+
+def test_data_parallel_replicas_are_not_checked():
+    """nn.DataParallel broadcasts the buffers anew at every call: checking its replicas
+    would read a flag back from every device at every forward."""
+    bn = normkit.BatchNorm2d(4).half().eval()
+    bn.running_var.fill_(float("inf"))
+    replica = bn._replicate_for_data_parallel()  # (as torch.nn.parallel.replicate)
+    replica._parameters = dict(bn._parameters)  # (replicate sets its copies on each device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        replica(torch.randn(2, 4, 3, 3).half())
+    _, caught = _caught(lambda: bn(torch.randn(2, 4, 3, 3).half()))
+    assert len(caught) == 1

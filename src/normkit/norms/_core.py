@@ -378,7 +378,7 @@ def check_running_statistics(module: torch.nn.Module,
     back one flag per layer after each training phase or conversion, not at every call
     (on a GPU, one host sync then). Nothing is checked
     while torch.compile, torch.export, jit.trace or a ``torch.func`` transform runs
-    the code (:func:`compiling`).
+    the code (:func:`compiling`), nor in ``nn.DataParallel``'s replicas.
 
     Example:
         >>> import warnings
@@ -391,7 +391,9 @@ def check_running_statistics(module: torch.nn.Module,
         >>> len(caught), caught[0].message.args[0][:45]
         (1, 'BatchNorm1d(2, eps=1e-05, momentum=0.1, affin')
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or module.__dict__.get("_is_replica"):
+        # (an nn.DataParallel replica holds buffers broadcast anew at every call: a check
+        # would read a flag back from each device at every forward)
         return
     seen = module.__dict__.get(_CHECKED)
     if seen is None:
