@@ -541,3 +541,26 @@ def test_a_parametrized_layer_is_skipped_with_how_to_bake_it_then_folds():
         assert report.skipped[0][1].endswith(f"bake it first with {call}"), report.skipped
         fix(model[0])
         _check_fold(model, x, 1)
+
+
+@pytest.mark.parametrize("value", ["inf16", "nan"])
+def test_norms_with_nan_or_inf_statistics_are_skipped_with_the_reason(value):
+    """Folding an infinite running variance writes zero weights (a NaN one NaN weights)
+    into the layer before it, and the BatchNorm -- whose inference forward would warn --
+    is gone: such norms stay in place, with the reason in the report."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), normkit.BatchNorm2d(4), nn.Conv2d(4, 4, 1),
+                          normkit.BatchNorm2d(4)).eval()
+    if value == "inf16":
+        model.half()
+        model[1].running_var.copy_(torch.full((4,), 1e5))  # past float16: inf
+    else:
+        model[1].running_mean[2] = float("nan")
+    folded, report = fold_batchnorm(model, return_report=True)
+    assert report.folded == [("2", "3")]
+    assert [name for name, _ in report.skipped] == ["1"]
+    reason = report.skipped[0][1]
+    want = ("running_var holds NaN/Inf (a float16 overflow" if value == "inf16" else
+            "running_mean holds NaN/Inf (from a training step that diverged?)")
+    assert want in reason and "zeros or NaN" in reason
+    assert isinstance(folded[1], normkit.BatchNorm2d) and isinstance(folded[3], nn.Identity)
+    assert torch.equal(folded[0].weight, model[0].weight)  # untouched

@@ -37,6 +37,7 @@ from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
 from .._surgery import check_initialized
+from ..norms._core import FLOAT16_MAX, overflowed_float16, without_data
 from ..norms.batch import FrozenBatchNorm, _BatchNormForward, _BatchRenormForward
 from ..norms.mean_only import _MeanOnlyBatchNorm
 from ..norms.sync import SyncBatchNorm
@@ -272,6 +273,15 @@ def _norm_problem(norm: nn.Module) -> str | None:
     if norm.running_mean is None or getattr(norm, "running_var", norm.running_mean) is None:
         return ("no running statistics (track_running_stats=False): in eval it normalizes "
                 "with batch statistics")
+    for name in ("running_mean", "running_var"):
+        value = getattr(norm, name, None)
+        if (isinstance(value, Tensor) and not without_data(value)
+                and not bool(torch.isfinite(value).all())):
+            why = (f"a float16 overflow, values above {FLOAT16_MAX:.0f}: fold the float32 "
+                   "model, then call .half()" if overflowed_float16(value) else
+                   "from a training step that diverged?")
+            return (f"its {name} holds NaN/Inf ({why}); folding it would write zeros or NaN "
+                    "into the layer before it")
     return None
 
 
