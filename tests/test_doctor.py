@@ -547,6 +547,37 @@ def test_recommend_cautions_and_sources():
         recommend("cnn", 8, task.upper())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, "float16", "half", "torch.float16"])
+def test_recommend_in_float16_cautions_the_batchnorm_families_only(dtype):
+    """A running variance past 65504 is stored as inf in float16 (the lab's
+    half-precision experiment): BatchNorm picks say to keep the norms in float32;
+    LayerNorm/GroupNorm picks and other dtypes say nothing of it."""
+    def cautioned(rec):
+        return [c for c in rec.cautions if "65504" in c]
+
+    for args in (("cnn", 64), ("mlp", 64), ("cnn", 4, "fine-tuning")):
+        rec = recommend(*args, dtype=dtype)
+        assert rec.family in ("bn", "frozenbn")
+        (text,) = cautioned(rec)
+        assert "layer.float()" in text and "torch.autocast" in text and "§5.4" in text
+        assert cautioned(recommend(*args)) == []
+        for other in ("bfloat16", torch.float32, "double"):
+            assert cautioned(recommend(*args, dtype=other)) == []
+    for args in (("transformer", 64), ("cnn", 4), ("rnn", 64)):
+        assert recommend(*args, dtype=dtype).family in ("ln", "gn")
+        assert cautioned(recommend(*args, dtype=dtype)) == []
+
+
+def test_doctor_passes_a_float16_models_dtype_to_the_recommendation():
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), normkit.BatchNorm2d(8),
+                                torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 6 * 6, 10)).eval()
+    x = torch.randn(64, 1, 8, 8)
+    half = doctor(copy.deepcopy(model).half(), x.half()).recommendation
+    assert half.family == "bn" and any("65504" in c for c in half.cautions)
+    assert not any("65504" in c for c in doctor(model, x).recommendation.cautions)
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     (("vit", 8), {}, "architecture must be one of cnn, mlp, rnn, lstm, gru, transformer, "
                      "gan, style (case-insensitive), got 'vit'"),
@@ -559,6 +590,8 @@ def test_recommend_cautions_and_sources():
     (("cnn", 8), {"sequence": "yes"}, "sequence must be None, True or False"),
     (("cnn", 8), {"distributed": 1}, "distributed must be True or False"),
     (("cnn", 8), {"distributed": True, "world_size": 0}, "world_size must be a positive int"),
+    (("cnn", 8), {"dtype": "int8"}, "dtype must be a floating torch.dtype or one of float16"),
+    (("cnn", 8), {"dtype": torch.int64}, "got torch.int64"),
 ])
 def test_recommend_rejects_bad_input(args, kwargs, message):
     with pytest.raises(ValueError) as excinfo:

@@ -1438,8 +1438,12 @@ def doctor(
     recommendation = None
     if batch_size is not None:
         distributed = dist.is_available() and dist.is_initialized()
+        # (running statistics stored in float16: the recommendation's float16 caution)
+        half = any(isinstance(t := m._buffers.get(name), Tensor) and t.dtype == torch.float16
+                   for m in model.modules() for name in _STATISTICS)
         recommendation = recommend(arch, batch_size, distributed=distributed,
-                                   world_size=dist.get_world_size() if distributed else None)
+                                   world_size=dist.get_world_size() if distributed else None,
+                                   dtype=torch.float16 if half else None)
     return DoctorReport(
         model=type(model).__name__, architecture=arch, batch_size=batch_size,
         grad_enabled=grad_enabled, layers=list(run.layers.values()),

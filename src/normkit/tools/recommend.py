@@ -31,6 +31,8 @@ import numbers
 import textwrap
 from dataclasses import dataclass
 
+import torch
+
 __all__ = [
     "Recommendation", "recommend", "When", "Choice", "RULES", "NOTES",
     "ARCHITECTURES", "TASKS", "FAMILIES", "BN_MIN_BATCH",
@@ -86,6 +88,7 @@ class _Query:
     sequence: bool | None
     distributed: bool
     world_size: int | None
+    dtype: str | None = None  # "float16", "bfloat16", "float32", "float64" or unknown
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class When:
         min_global_batch: per-device batch × ``world_size`` at least this (the row
             then needs ``world_size``).
         families: for notes: the chosen family is one of these.
+        dtypes: the row needs ``dtype`` given and one of these (``None``: any).
 
     Example:
         >>> When(architectures=frozenset({"cnn"}), max_batch=32).max_batch
@@ -117,6 +121,7 @@ class When:
     distributed: bool | None = None
     min_global_batch: int | None = None
     families: frozenset[str] | None = None
+    dtypes: frozenset[str] | None = None
 
     def matches(self, query: _Query, family: str | None = None) -> bool:
         """Whether every condition holds for ``query`` (and the chosen ``family``)."""
@@ -132,6 +137,7 @@ class When:
                 query.world_size is not None
                 and batch * query.world_size >= self.min_global_batch),
             self.families is None or family in self.families,
+            self.dtypes is None or query.dtype in self.dtypes,
         )
         return all(checks)
 
@@ -245,6 +251,15 @@ NOTES: tuple[tuple[When, str], ...] = (
      "with normkit.update_bn_stats(model, train_loader) before evaluating "
      f"({_ARTICLE_BN_LN} §5.2), and run normkit.tools.doctor.doctor to compare them with the "
      "data"),
+    (When(families=_BN_LIKE, dtypes=frozenset({"float16"})),
+     "in float16 (model.half()) keep the BatchNorm layers in float32 -- layer.float(): they "
+     "take float16 input with float32 parameters and statistics -- or train with "
+     "torch.autocast, which leaves them float32: a running variance past float16's 65504 "
+     "(a channel's standard deviation above 256) is stored as inf and that channel outputs "
+     "its bias alone in inference, where LayerNorm and GroupNorm store nothing "
+     f"({_ARTICLE_BN_LN} §5.4; the lab's half-precision experiment: 90 % test error at "
+     "input scale 1000, 1.1 % with the norms in float32); fold BatchNorm before .half() "
+     "for inference (normkit.fold_batchnorm)"),
     (When(architectures=_archs("cnn"), max_batch=BN_MIN_BATCH, distributed=True),
      "distributed with a small per-device batch: normkit.convert_sync_batchnorm pools BN "
      f"statistics over all devices; with per-device batch x world size >= {BN_MIN_BATCH} it "
@@ -366,6 +381,32 @@ def _positive_int(value, what: str) -> int:
     return int(value)
 
 
+#: ``dtype`` names :func:`recommend` accepts, and what they mean
+_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
+           "float32": "float32", "float": "float32", "float64": "float64", "double": "float64"}
+
+
+def _canonical_dtype(dtype: torch.dtype | str | None) -> str | None:
+    """``"float16"``, ``"bfloat16"``, ``"float32"``, ``"float64"`` or ``None``.
+
+    Example:
+        >>> _canonical_dtype(torch.half), _canonical_dtype("BFloat16"), _canonical_dtype(None)
+        ('float16', 'bfloat16', None)
+    """
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str):
+        name = dtype.lower().removeprefix("torch.")
+    else:
+        name = None
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be a floating torch.dtype or one of "
+                         f"{', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[name]
+
+
 def recommend(
     architecture: str,
     batch_size: int,
@@ -374,6 +415,7 @@ def recommend(
     sequence: bool | None = None,
     distributed: bool = False,
     world_size: int | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> Recommendation:
     """Recommend a normalization family: the articles' selection guide as a rule table.
 
@@ -411,6 +453,11 @@ def recommend(
         distributed: data-parallel training over several devices. Default: ``False``.
         world_size: the number of devices; with ``distributed`` it lets a small
             per-device CNN batch get SyncBatchNorm when the global batch is >= 32.
+        dtype: the dtype the model's layers are stored in (``torch.float16`` or
+            ``"float16"``/``"half"``, ``"bfloat16"``, ``"float32"``, ``"float64"``);
+            float16 adds a caution to the BatchNorm families (their running statistics
+            overflow past 65504). Default: ``None`` (unknown). Under ``torch.autocast``
+            the layers stay float32: pass ``"float32"``.
 
     Returns:
         A :class:`Recommendation`.
@@ -436,7 +483,7 @@ def recommend(
     if world_size is not None:
         world_size = _positive_int(world_size, "world_size")
     query = _Query(_ARCH_GROUP.get(name, name), batch, _canonical_task(task), sequence,
-                   distributed, world_size)
+                   distributed, world_size, _canonical_dtype(dtype))
     choice = next(choice for when, choice in RULES if when.matches(query))
     cautions = tuple(text for when, text in NOTES if when.matches(query, choice.family))
     return Recommendation(choice.family, choice.alternatives, choice.reasons, cautions,
