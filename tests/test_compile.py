@@ -8,6 +8,10 @@ code generation, which takes tens of seconds per graph on a 2-core CPU.
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from compile_recorder import recording_backend
 
 import normkit
 from normkit.kernels import channels
+from normkit.kernels import triton as triton_kernels
 
 
 def _model():
@@ -566,3 +571,58 @@ def test_compiled_layers_reading_buffers_they_update_keep_eager_gradients(make, 
         torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-5, msg=name)
     for (name, a), b in zip(eager.named_buffers(), compiled_model.buffers(), strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=name)
+
+
+# ------------------------------------ constants of the process without importing Dynamo
+
+def test_importing_normkit_does_not_import_dynamo():
+    """``torch.compiler.assume_constant_result`` imports ``torch._dynamo`` (2.7 s on a
+    2-core VM, more than torch itself): ``import normkit`` took 5 s until the Triton
+    package marked its constants itself. Checked in a fresh process, with the modules the
+    command line and the lab import."""
+    code = ("import sys, normkit, normkit.cli, normkit.lab, normkit.bench, normkit.tools; "
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout[-2000:]
+
+
+def test_the_constant_marker_is_the_one_torchs_decorator_sets():
+    def torchs():
+        return 1
+
+    def normkits():
+        return 1
+
+    torch.compiler.assume_constant_result(torchs)
+    assert triton_kernels._constant_result(normkits) is normkits
+    assert vars(normkits) == vars(torchs) != {}
+    for name in ("available", "_device_problem"):
+        assert vars(getattr(triton_kernels, name)) == vars(torchs), name
+
+
+def test_a_marked_function_is_a_constant_under_fullgraph_compile():
+    """What the marker is for: Dynamo calls the function once while tracing and bakes in
+    its result instead of tracing into it (here a ``functools.cache`` wrapper and an
+    import, which break the graph -- ``available()`` broke it so on an H200)."""
+    torch._dynamo.reset()
+    calls = []
+
+    @functools.cache
+    def probe():
+        calls.append(1)
+        return importlib.import_module("math").pi
+
+    @triton_kernels._constant_result
+    def constant():
+        return probe() > 3
+
+    def f(x):
+        return x * 2 if constant() else x
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    x = torch.randn(3)
+    torch.testing.assert_close(compiled(x), 2 * x, rtol=0, atol=0)
+    torch.testing.assert_close(compiled(x + 1), 2 * (x + 1), rtol=0, atol=0)
+    assert calls == [1]
