@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,8 +26,9 @@ BAD = {
                          ["floating-point", "torch.int64"]),
     "bn-eps-zero-training": (lambda: normkit.BatchNorm2d(3, eps=0.0)(torch.randn(2, 3, 2, 2)),
                              ["eps must be positive", "0.0"]),
-    "bn-eps-negative-eval": (lambda: normkit.BatchNorm2d(3, eps=-1e-5).eval()(
-        torch.randn(2, 3, 2, 2)), ["eps must be non-negative", "-1e-05"]),
+    "bn-eps-negative-eval": (lambda: F.batch_norm(torch.randn(2, 3, 2, 2), torch.zeros(3),
+                                                  torch.ones(3), eps=-1e-5),
+                             ["eps must be non-negative", "-1e-05"]),
     "bn-eval-without-stats": (lambda: F.batch_norm(torch.randn(2, 3), None, None),
                               ["running_mean", "None"]),
     "bn-weight-size": (lambda: F.batch_norm(torch.randn(2, 3), None, None, torch.ones(4),
@@ -160,3 +162,114 @@ def test_a_lazy_module_not_yet_initialized_gets_a_clear_error_and_works_after_a_
     if tool == "fold_batchnorm":
         model.eval()
     call(model)
+
+
+# ------------------------------------------------------------ constructor arguments
+#: Every layer built from keywords, with the arguments it takes: what torch.nn accepts
+#: and then fails on obscurely (BatchNorm2d(-3): "negative dimension"; GroupNorm(0, 8):
+#: ZeroDivisionError) or computes garbage with (eps=-1: NaN; momentum=1.5: running
+#: statistics extrapolated past each batch), normkit refuses when the layer is built.
+CONSTRUCTORS = {
+    "BatchNorm1d": (normkit.BatchNorm1d, {"num_features": 8}),
+    "BatchNorm2d": (normkit.BatchNorm2d, {"num_features": 8}),
+    "BatchNorm3d": (normkit.BatchNorm3d, {"num_features": 8}),
+    "SyncBatchNorm": (normkit.SyncBatchNorm, {"num_features": 8}),
+    "BatchNormAct2d": (normkit.BatchNormAct2d, {"num_features": 8}),
+    "BatchRenorm2d": (normkit.BatchRenorm2d, {"num_features": 8}),
+    "InstanceNorm2d": (normkit.InstanceNorm2d, {"num_features": 8}),
+    "FrozenBatchNorm2d": (normkit.FrozenBatchNorm2d, {"num_features": 8}),
+    "MeanOnlyBatchNorm2d": (normkit.MeanOnlyBatchNorm2d, {"num_features": 8}),
+    "LayerNorm": (normkit.LayerNorm, {"normalized_shape": 8}),
+    "LayerNorm2d": (normkit.LayerNorm2d, {"normalized_shape": 8}),
+    "RMSNorm": (normkit.RMSNorm, {"normalized_shape": 8}),
+    "AddLayerNorm": (normkit.AddLayerNorm, {"normalized_shape": 8}),
+    "AddRMSNorm": (normkit.AddRMSNorm, {"normalized_shape": 8}),
+    "GroupNorm": (normkit.GroupNorm, {"num_groups": 2, "num_channels": 8}),
+    "GroupNormAct": (normkit.GroupNormAct, {"num_groups": 2, "num_channels": 8}),
+}
+#: (argument, bad value, error type, fragments of the message besides the layer's name)
+BAD_ARGUMENTS = [
+    ("num_features", -3, ValueError, ["num_features", "int >= 0", "-3"]),
+    ("num_features", 3.5, TypeError, ["num_features", "an int", "3.5 (float)"]),
+    ("num_features", "8", TypeError, ["num_features", "'8' (str)"]),
+    ("num_features", True, TypeError, ["num_features", "True (bool)"]),
+    ("num_channels", -8, ValueError, ["num_channels", "int >= 0", "-8"]),
+    ("num_groups", 0, ValueError, ["num_groups", "int >= 1", "got 0"]),
+    ("num_groups", 3, ValueError, ["num_channels (8) must be divisible by num_groups (3)",
+                                   "divisors of 8: 1, 2, 4, 8"]),
+    ("num_groups", 2.0, TypeError, ["num_groups", "2.0 (float)"]),
+    ("normalized_shape", -1, ValueError, ["normalized_shape", "int >= 0", "-1"]),
+    ("normalized_shape", (4, -2), ValueError, ["normalized_shape", "(4, -2)"]),
+    ("normalized_shape", 8.0, TypeError, ["normalized_shape", "8.0"]),
+    ("eps", -1e-5, ValueError, ["eps must be positive or zero", "-1e-05"]),
+    ("eps", float("nan"), ValueError, ["eps must be positive or zero", "nan"]),
+    ("eps", float("inf"), ValueError, ["eps must be positive or zero", "inf"]),
+    ("eps", "1e-5", TypeError, ["eps", "a number", "'1e-5' (str)"]),
+    ("momentum", 1.5, ValueError, ["momentum", "[0, 1]", "1 - m", "1.5"]),
+    ("momentum", -0.1, ValueError, ["momentum", "[0, 1]", "-0.1"]),
+    ("momentum", float("nan"), ValueError, ["momentum", "[0, 1]", "nan"]),
+    ("momentum", "0.1", TypeError, ["momentum", "'0.1' (str)"]),
+]
+
+
+def _takes(layer, argument):
+    cls, base = CONSTRUCTORS[layer]
+    if argument in base:
+        return True
+    signature = normkit.norms._base.constructor_signature(cls) if issubclass(
+        cls, normkit.norms._base.BackendMixin) else __import__("inspect").signature(cls)
+    return argument in signature.parameters
+
+
+@pytest.mark.parametrize("layer", sorted(CONSTRUCTORS))
+def test_invalid_constructor_arguments_are_refused_naming_the_layer(layer):
+    cls, base = CONSTRUCTORS[layer]
+    checked = 0
+    for argument, value, error, fragments in BAD_ARGUMENTS:
+        if not _takes(layer, argument):
+            continue
+        if argument == "num_groups" and value == 3 and "num_channels" not in base:
+            continue
+        with pytest.raises(error) as info:
+            cls(**{**base, argument: value})
+        message = str(info.value)
+        for fragment in [layer, *fragments]:
+            assert fragment in message, f"{layer}({argument}={value!r}): {fragment!r} not in " \
+                                        f"{message!r}"
+        checked += 1
+    assert checked >= 5, checked
+
+
+#: Values torch.nn accepts and computes with stay accepted, and build what torch builds.
+GOOD_ARGUMENTS = [("eps", 0.0), ("eps", 0), ("eps", np.float32(1e-3)), ("momentum", 0.0),
+                  ("momentum", 1), ("momentum", None), ("momentum", np.float64(0.01)),
+                  ("num_features", 0), ("num_features", np.int64(4)),
+                  ("normalized_shape", torch.Size([2, 4])), ("normalized_shape", []),
+                  ("num_groups", 8), ("num_channels", 0)]
+
+
+@pytest.mark.parametrize("layer", sorted(CONSTRUCTORS))
+def test_valid_edge_arguments_still_build(layer):
+    cls, base = CONSTRUCTORS[layer]
+    for argument, value in GOOD_ARGUMENTS:
+        if not _takes(layer, argument):
+            continue
+        if layer == "MeanOnlyBatchNorm2d" and argument == "num_features" and value == 0:
+            continue  # (MeanOnlyBatchNorm asks for a positive int, as it always did)
+        kwargs = {**base, argument: value}
+        if argument == "num_channels":
+            kwargs["num_groups"] = 1
+        module = cls(**kwargs)
+        stored = getattr(module, argument, None)
+        if argument in ("eps", "momentum", "num_features", "num_groups"):
+            assert stored == value, (layer, argument, stored, value)
+
+
+def test_the_functional_batch_norm_checks_eps_at_each_call():
+    """The functional API keeps torch's forward-time errors (what the module_db error
+    samples ask of torch's own BatchNorm: eps 0 in training fails at the forward)."""
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="eps must be positive during training"):
+        F.batch_norm(x, None, None, training=True, eps=0.0)
+    with pytest.raises(ValueError, match="eps must be non-negative"):
+        F.batch_norm(x, torch.zeros(3), torch.ones(3), eps=float("-inf"))

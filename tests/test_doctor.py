@@ -231,6 +231,29 @@ def test_informational_codes():
     assert "normkit.AGC" in found.remedy
 
 
+def test_a_keras_momentum_given_to_pytorch_is_a_warning():
+    """Keras' and Flax's BatchNorm momentum is the weight of the past (0.99), PyTorch's
+    the weight of the new batch (0.1): 0.99 ported as is makes the running statistics
+    follow the last few batches (article §5.3, normkit.conventions)."""
+    def model(momentum, **kwargs):
+        return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3, momentum=momentum, **kwargs),
+                             nn.Linear(3, 3), normkit.BatchNorm1d(3, momentum=momentum))
+
+    for train in (True, False):
+        report = doctor(model(0.99).train(train), torch.randn(64, 4))
+        found = finding(report, "momentum-convention")
+        assert found.severity == "warning" and found.layers == ("1", "3")
+        assert "momentum=0.99" in found.message and "PyTorch's 0.01" in found.message
+        assert "momentum=0.01" in found.remedy and "update_bn_stats" in found.remedy
+    assert "momentum-convention" not in codes(doctor(model(0.5), torch.randn(64, 4)))
+    # (exactly 1: the last batch's statistics, what precise-BN code sets on purpose)
+    assert "momentum-convention" not in codes(doctor(model(1.0), torch.randn(64, 4)))
+    assert "momentum-convention" not in codes(doctor(model(0.1), torch.randn(64, 4)))
+    untracked = nn.Sequential(nn.Linear(4, 3),
+                              nn.BatchNorm1d(3, momentum=0.99, track_running_stats=False))
+    assert codes(doctor(untracked, torch.randn(64, 4))) == []
+
+
 def test_a_failing_analysis_never_breaks_the_run(monkeypatch):
     def broken(cls, x, axis):
         raise RuntimeError("boom")

@@ -595,5 +595,5 @@ def test_mean_only_errors_name_expected_and_given():
         MeanOnlyBatchNorm1d(3)(torch.randn(2, 3, 4, 4))
     with pytest.raises(ValueError, match=r"with 3 channels \(dim 1\), got .*\(2, 5\)"):
         MeanOnlyBatchNorm1d(3)(torch.randn(2, 5))
-    with pytest.raises(ValueError, match="positive int num_features, got 0"):
+    with pytest.raises(ValueError, match="num_features to be an int >= 1, got 0"):
         MeanOnlyBatchNorm1d(0)

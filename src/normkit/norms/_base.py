@@ -9,6 +9,7 @@ import inspect
 from torch import nn
 from torch.fx import Proxy
 
+from ._arguments import check_constructor_call
 from ._core import check_backend
 
 
@@ -79,6 +80,7 @@ class BackendMixin(NotScriptable):
     __signature__ = _ClassSignature()
 
     def __init__(self, *args, backend: str = "auto", **kwargs) -> None:
+        check_constructor_call(type(self), args, kwargs)  # (before torch.nn's obscure errors)
         super().__init__(*args, **kwargs)
         self.backend = check_backend(backend)
 

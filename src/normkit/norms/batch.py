@@ -9,6 +9,7 @@ from torch.fx import Proxy
 from .. import _stats
 from .. import functional as F
 from ..kernels import channels, native
+from ._arguments import check_arguments
 from ._base import BackendMixin, NotScriptable, fx_leaf
 from ._core import (
     _exporting,
@@ -221,6 +222,7 @@ class FrozenBatchNorm(NotScriptable, nn.Module):
     _shape_doc = "(N, C, *)"
 
     def __init__(self, num_features: int, eps: float = 1e-5, *, device=None, dtype=None):
+        check_arguments(type(self).__name__, {"num_features": num_features, "eps": eps})
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.num_features = num_features
@@ -454,8 +456,8 @@ class _BatchRenormForward(_BatchNormForward):
                  warmup_steps: int = 5000, r_max_steps: int = 40000,
                  d_max_steps: int = 25000, device=None, dtype=None, **kwargs) -> None:
         if r_max < 1.0 or d_max < 0.0:
-            raise ValueError(f"expected r_max >= 1 and d_max >= 0, got r_max={r_max}, "
-                             f"d_max={d_max}")
+            raise ValueError(f"{type(self).__name__} expected r_max >= 1 and d_max >= 0, got "
+                             f"r_max={r_max}, d_max={d_max}")
         if not kwargs.pop("track_running_stats", True):
             raise ValueError(f"{type(self).__name__} needs running statistics (r and d "
                              f"compare each batch to them): expected "

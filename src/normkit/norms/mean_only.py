@@ -11,13 +11,12 @@ Statistics come from :mod:`normkit._stats` (float32 or float64, compensated mean
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor, nn
 from torch.fx import Proxy
 
 from .. import _stats
+from ._arguments import check_arguments
 from ._base import NotScriptable, fx_leaf
 from ._core import (
     check_backend,
@@ -107,9 +106,9 @@ class _MeanOnlyBatchNorm(NotScriptable, nn.Module):
         factory = {"device": device, "dtype": dtype}
         super().__init__()
         name = type(self).__name__
-        if (isinstance(num_features, bool) or not isinstance(num_features, numbers.Integral)
-                or num_features <= 0):
-            raise ValueError(f"{name} expected a positive int num_features, got {num_features!r}")
+        check_arguments(name, {"num_features": num_features, "momentum": momentum})
+        if num_features == 0:
+            raise ValueError(f"{name} expected num_features to be an int >= 1, got 0")
         self.num_features = int(num_features)
         self.momentum = momentum
         self.track_running_stats = track_running_stats

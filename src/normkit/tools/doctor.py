@@ -110,6 +110,8 @@ CODES: dict[str, tuple[str, str]] = {
     "stale-running-stats": ("warning", "eval-mode running statistics far from the batch's"),
     "collapsed-gamma": ("warning", f"|gamma| < {COLLAPSED_GAMMA:g} in some channels"),
     "zero-init-gamma": ("info", "every gamma exactly 0: the zero-init-residual start"),
+    "momentum-convention": ("warning", "BatchNorm momentum in (0.5, 1): Keras' or Flax's "
+                                       "convention (PyTorch's is 1 - m)"),
     "cumulative-momentum": ("info", "BatchNorm with momentum=None in training"),
     "batch-stats-in-eval": ("info", "BatchNorm without running statistics in eval mode"),
     "own-norm-layers": ("info", "norm layers of the model's own classes: only checked for "
@@ -119,7 +121,8 @@ CODES: dict[str, tuple[str, str]] = {
 }
 
 # codes that describe the whole model: one finding listing every layer
-_MODEL_WIDE = ("small-batch", "train-under-no-grad", "cumulative-momentum",
+_MODEL_WIDE = ("small-batch", "train-under-no-grad", "momentum-convention",
+               "cumulative-momentum",
                "batch-stats-in-eval", "zero-init-gamma", "own-norm-layers")
 _SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
@@ -1114,6 +1117,22 @@ def _diagnose(call: _Call, output: TensorStats | None) -> list[tuple[str, str, s
                       "nn.init.ones_(layer.weight), nn.init.zeros_(layer.bias)); if training "
                       "drove gamma to zero, check weight decay on norm parameters and the "
                       "learning rate"))
+    # (exactly 1, the last batch's statistics, is deliberate -- precise-BN code sets it --
+    # and no Keras momentum is 1)
+    momentum = call.momentum
+    if (call.family in _BATCH_FAMILIES and isinstance(momentum, (int, float))
+            and 0.5 < momentum < 1
+            and getattr(call.module, "running_mean", None) is not None):
+        kept = 1.0 - momentum
+        found.append(("momentum-convention",
+                      f"momentum={momentum:g}: in PyTorch's convention each batch weighs "
+                      f"{momentum:.0%} in the running statistics and their past {kept:.0%}, "
+                      "so they follow the last few batches and inference sees their noise; "
+                      f"{momentum:g} is a Keras/Flax momentum (the weight of the past), "
+                      f"which is PyTorch's {kept:.3g} ({_ARTICLE_BN_LN} §5.3)",
+                      f"build the layers with momentum={kept:.3g} (normkit.conventions."
+                      f"momentum({momentum:g}, 'keras', 'torch')); to repair a trained "
+                      "model's statistics, normkit.update_bn_stats re-estimates them"))
     if (call.family in _BATCH_FAMILIES and call.module.training and call.momentum is None
             and getattr(call.module, "running_mean", None) is not None):
         found.append(("cumulative-momentum",
@@ -1332,6 +1351,10 @@ def doctor(
     * ``own-norm-layers``: norm layers of the model's own classes (Hugging Face's
       ``LlamaRMSNorm``, :func:`normkit._surgery.is_own_norm`) are reported and checked for
       NaN/Inf only; their values per statistic and gamma are left out (unknown).
+    * ``momentum-convention``: BatchNorm momentum in (0.5, 1), a Keras/Flax momentum (the
+      weight of the past) given to PyTorch (where it is the weight of the new batch):
+      《深度学习归一化技术：BN与LN原理及应用对比》 §5.3: TensorFlow's momentum means
+      about 1 - PyTorch's; :mod:`normkit.conventions`.
     * ``cumulative-momentum``, ``batch-stats-in-eval``, ``no-norm-layers``: information.
 
     Args:
