@@ -6,10 +6,21 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 
 import normkit
+
+#: (major, minor) of the torch under test: a few tests exercise what older releases that
+#: ``torch>=2.4`` admits lack (.ci/versions runs the suite under them).
+TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+#: torch 2.4's jagged layout: only (B, j, D...) tensors, no nested rms_norm, no Dynamo,
+#: and unbind's backward raises.
+OLD_JAGGED = pytest.mark.skipif(TORCH_RELEASE < (2, 5), reason=(
+    "torch 2.4's jagged nested tensors: only (B, j, D...) shapes can be built, torch's own "
+    "rms_norm and torch.compile do not take them, unbind() has no working backward "
+    "(passes on 2.8, 2.11 and 2.13)"))
 
 
 @dataclass(frozen=True)

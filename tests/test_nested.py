@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from cases import OLD_JAGGED, TORCH_RELEASE
 from oracle import assert_close, assert_grad_close, normalize64
 from torch import nn
 
@@ -38,6 +39,9 @@ def _nested(seqs, layout):
 def _weighted_sum(y, weights):
     """A loss that weights every output value differently (a plain sum's gradient
     through a norm is zero)."""
+    if y.layout == torch.jagged and y.is_contiguous():
+        # (through the values: torch 2.4's unbind of a jagged tensor has a broken backward)
+        return (y.values() * torch.cat(weights).to(y.dtype)).sum()
     return sum((t * w.to(t.dtype)).sum() for t, w in zip(y.unbind(), weights, strict=True))
 
 
@@ -99,7 +103,7 @@ def test_per_token_norms_of_nested_sequences_match_each_sequence_alone(name, dty
             assert_grad_close(layer.bias.grad, b.grad, dtype, "dbias")
 
 
-@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("name", ["layer_norm", pytest.param("rms_norm", marks=OLD_JAGGED)])
 def test_jagged_results_equal_torchs_own_nested_norms(name):
     seqs = _seqs(torch.float32, seed=3)
     weight = torch.rand(C, generator=torch.Generator().manual_seed(4)) + 0.5
@@ -212,6 +216,8 @@ def test_adaptive_layer_norm_modulates_each_jagged_sequence_by_its_condition():
         assert_close(got, layer(s[None], cond[i:i + 1])[0], torch.float64)
     with pytest.raises(ValueError, match="ragged dim second .*got a strided nested"):
         layer(_nested(seqs, torch.strided), cond)
+    if TORCH_RELEASE < (2, 5):
+        return  # (torch 2.4 cannot build the tensor below: OLD_JAGGED)
     transposed = torch.nested.nested_tensor([s.view(-1, 2, C // 2).transpose(0, 1)
                                              for s in seqs], layout=torch.jagged)
     with pytest.raises(ValueError, match=r"ragged dim second .*got a jagged nested tensor "
@@ -238,7 +244,7 @@ REFUSING = {
 def test_norms_with_batch_or_channel_statistics_refuse_nested_input_clearly(name, layout):
     """Their (N, C, *) statistics have no meaning on (B, j, C) sequences; torch's raise
     NotImplementedError or 'Internal error' here."""
-    x = _nested([torch.randn(C, 3), torch.randn(C, 5)], layout)
+    x = _nested([torch.randn(3, C), torch.randn(5, C)], layout)
     with pytest.raises(ValueError, match=rf"{name} expected a regular \(dense\) tensor, "
                                          rf"got a {layout_name(layout)} nested tensor.*"
                                          rf"pass its values\(\)"):
@@ -249,6 +255,7 @@ def layout_name(layout):
     return "jagged" if layout == torch.jagged else "strided"
 
 
+@OLD_JAGGED
 def test_a_compiled_block_on_jagged_sequences_equals_eager():
     class Block(nn.Module):
         def __init__(self):

@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from cases import OLD_JAGGED, TORCH_RELEASE
 from oracle import assert_close, assert_grad_close
 from torch.utils.checkpoint import checkpoint
 
@@ -510,6 +511,7 @@ def test_jagged_sequences_count_every_token_and_nothing_else():
         _check_buffers(layer, oracle, torch.float64)
 
 
+@OLD_JAGGED
 def test_narrowed_sequences_leave_the_rows_between_them_out():
     """``torch.nested.narrow``'s values hold the whole padded batch: the rows outside the
     sequences (here NaN) must not reach the statistics."""
@@ -546,6 +548,8 @@ def test_nested_input_errors():
         strided = torch.nested.nested_tensor(seqs)
     with pytest.raises(ValueError, match="got a strided nested tensor of 2 components"):
         layer(strided)
+    if TORCH_RELEASE < (2, 5):
+        return  # (torch 2.4 cannot build the tensor below: OLD_JAGGED)
     channels_first = torch.nested.nested_tensor([s.t() for s in seqs], layout=torch.jagged)
     with pytest.raises(ValueError, match=r"shape \(\*, 4\).*got a jagged nested tensor of "
                                          r"shape \(2, 4, j\d+\)"):

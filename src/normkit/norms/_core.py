@@ -110,11 +110,15 @@ def may_be_recomputed() -> bool:
     forward saves) or without autograd (reentrant checkpointing's first forward). What a
     layer whose output reads its running statistics (BatchRenorm) keeps them for.
 
+    Without torch's query for the saved-tensor hooks (torch 2.4 lacks
+    ``torch._C._autograd._top_saved_tensors_default_hooks``) the answer is always True,
+    the safe side: the copies are then kept at every training step.
+
     Example:
-        >>> may_be_recomputed()
-        False
         >>> with torch.no_grad():
         ...     may_be_recomputed()
+        True
+        >>> may_be_recomputed() == (_saved_tensors_hooks(False) is not None)
         True
     """
     return not torch.is_grad_enabled() or _saved_tensors_hooks(False) is not None

@@ -18,6 +18,7 @@ refused, as torch refuses it for its own LayerNorm on most such inputs.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -74,20 +75,28 @@ def _check_trailing(x: Tensor, shape: int | Sequence[int], who: str) -> None:
             f"normalized_shape={list(shape)}, got {describe(x)}")
 
 
+try:  # what torch.nested.nested_tensor_from_jagged calls, without its fx-tracing check
+    from torch.nested._internal.nested_tensor import (
+        nested_view_from_values_offsets_lengths as _view,
+    )
+except ImportError:  # (a private module: the public function where it moved)
+    _view = None
+#: Whether the view takes the cached sequence-length bounds (torch 2.4's does not).
+_VIEW_TAKES_BOUNDS = _view is not None and "min_seqlen" in inspect.signature(_view).parameters
+
+
 def _wrap(like: Tensor, values: Tensor) -> Tensor:
     """``values`` (the shape of ``like.values()``) as a jagged nested tensor with
     ``like``'s offsets, lengths and ragged dim: the same ragged size, a view of
     ``values`` for autograd."""
-    try:  # what torch.nested.nested_tensor_from_jagged calls, without its fx-tracing check
-        from torch.nested._internal.nested_tensor import (
-            nested_view_from_values_offsets_lengths as view,
-        )
-    except ImportError:  # (a private module: the public function where it moved)
+    if _view is None:
         return torch.nested.nested_tensor_from_jagged(
             values, like.offsets(), like.lengths(), jagged_dim=like._ragged_idx)
-    return view(values, like.offsets(), like.lengths(), ragged_idx=like._ragged_idx,
-                min_seqlen=getattr(like, "_maybe_min_seqlen", None),
-                max_seqlen=getattr(like, "_maybe_max_seqlen", None))
+    if not _VIEW_TAKES_BOUNDS:
+        return _view(values, like.offsets(), like.lengths(), ragged_idx=like._ragged_idx)
+    return _view(values, like.offsets(), like.lengths(), ragged_idx=like._ragged_idx,
+                 min_seqlen=getattr(like, "_maybe_min_seqlen", None),
+                 max_seqlen=getattr(like, "_maybe_max_seqlen", None))
 
 
 def per_token(fn: Callable[..., Tensor], shape: Sequence[int], who: str, x: Tensor,

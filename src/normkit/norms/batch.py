@@ -448,6 +448,12 @@ ight)
     """
 
 
+#: torch.compile of torch 2.4 refuses ``int(num_batches_tracked)`` in a full graph
+#: ("Unsupported: Tensor.item"); 2.8 and later read it (2.5-2.7 untested: the tensor path).
+_DYNAMO_CANNOT_READ_STEP = tuple(
+    int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
+
+
 class _BatchRenormForward(_BatchNormForward):
     _STEP_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -542,10 +548,11 @@ class _BatchRenormForward(_BatchNormForward):
             return self._training_forward(input)
 
     def _training_forward(self, input: Tensor) -> Tensor:
-        if _exporting() and self.num_batches_tracked is not None:
-            # torch.export cannot read the step count: the limits as tensors and the
-            # renormalizing math at every step (in the warm-up r = 1 and d = 0 exactly:
-            # BatchNorm's output, running statistics alike)
+        if (_exporting() or (_DYNAMO_CANNOT_READ_STEP and compiling())) and (
+                self.num_batches_tracked is not None):
+            # torch.export (and torch.compile before 2.8) cannot read the step count: the
+            # limits as tensors and the renormalizing math at every step (in the warm-up
+            # r = 1 and d = 0 exactly: BatchNorm's output, running statistics alike)
             r_max, d_max = self._limit_tensors()
         else:
             r_max, d_max = self.current_limits()

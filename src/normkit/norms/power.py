@@ -180,10 +180,11 @@ class _PowerFunction(torch.autograd.Function):
         out = out_like(x, memory_format=torch.contiguous_format)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
         rows = out.view(xs.shape)
-        if bias is None:
-            torch.mul(xs, scale, out=rows)
-        else:
-            torch.addcmul(bias.to(xs.dtype), xs, scale, out=rows)
+        with torch.no_grad():  # (what eager mode runs a forward under; torch 2.4's Dynamo
+            if bias is None:   # traces it with grad on, where out= refuses the parameters)
+                torch.mul(xs, scale, out=rows)
+            else:
+                torch.addcmul(bias.to(xs.dtype), xs, scale, out=rows)
         ctx.save_for_backward(xs, weight, inv_fwd, inv_bwd, keep, count, squares)
         ctx.shape = x.shape
         ctx.ema_gz, ctx.alpha_bkw, ctx.has_bias = ema_gz, alpha_bkw, bias is not None
