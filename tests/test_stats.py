@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -60,3 +61,25 @@ def test_unbiased_var_and_running_update():
     running = torch.tensor([1.0, 2.0])
     _stats.update_running_(running, torch.tensor([3.0, 4.0], dtype=torch.float64), 0.5)
     torch.testing.assert_close(running, torch.tensor([2.0, 3.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_16_bit_running_statistics_are_rounded_once(dtype):
+    """torch's kernels average 16-bit running statistics in float32 and round once; the
+    update rounded the batch's value, the product and the sum each to 16 bits, which put
+    bfloat16 statistics several ulps off float64 (torch's op_db instance_norm samples,
+    momentum -1.2, under torch 2.4)."""
+    g = torch.Generator().manual_seed(0)
+    for momentum in (0.1, 0.01, 0.9, -1.2):
+        running = (torch.randn(4096, generator=g) * 10).to(dtype)
+        value = torch.randn(4096, generator=g, dtype=torch.float64) * 10
+        exact = running.double() * (1.0 - momentum) + momentum * value
+        _stats.update_running_(running, value, momentum)
+        assert running.dtype == dtype
+        # one rounding: within half a 16-bit ulp of the exact value (plus float32's own)
+        bits = {torch.float16: 10, torch.bfloat16: 7}[dtype]
+        half_ulp = torch.exp2(torch.floor(torch.log2(exact.abs())) - bits - 1)
+        half_ulp = half_ulp.clamp(min=2.0 ** -25 if dtype == torch.float16 else 0.0)
+        err = (running.double() - exact).abs()
+        assert bool((err <= half_ulp + 1e-6 * exact.abs()).all()), (
+            momentum, float((err / half_ulp).max()))

@@ -213,8 +213,11 @@ def update_running_(running: Tensor, value: Tensor, momentum: float) -> None:
     """
     # (one write, from a result that depends on ``value``: under a FakeTensorMode whose
     # ``value`` is fake, a step on ``running`` alone -- ``running.mul_`` -- would run on
-    # the real buffer and leave it scaled; the same rounding as the two in-place steps)
-    new = torch.add(running * (1.0 - momentum), value.to(running.dtype), alpha=momentum)
+    # the real buffer and leave it scaled. 16-bit statistics are averaged in float32 and
+    # rounded once, as torch's kernels do: rounding the batch's value, the product and
+    # the sum each to 16 bits put bfloat16 statistics several ulps off float64)
+    acc = torch.float32 if running.dtype in (torch.float16, torch.bfloat16) else running.dtype
+    new = torch.add(running.to(acc) * (1.0 - momentum), value.to(acc), alpha=momentum)
     try:
         running.copy_(new)
     except RuntimeError as error:
