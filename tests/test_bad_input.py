@@ -273,3 +273,38 @@ def test_the_functional_batch_norm_checks_eps_at_each_call():
         F.batch_norm(x, None, None, training=True, eps=0.0)
     with pytest.raises(ValueError, match="eps must be non-negative"):
         F.batch_norm(x, torch.zeros(3), torch.ones(3), eps=float("-inf"))
+
+
+def _sgd():
+    return torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+
+
+#: Layers and tools that build a norm inside or take their own numbers: the error names
+#: them, not the LayerNorm or GroupNorm they hold, and comes when they are built.
+WRAPPED = {
+    "AdaptiveLayerNorm": (lambda: normkit.AdaptiveLayerNorm(8, 4, eps=-1.0),
+                          ["AdaptiveLayerNorm eps must be positive or zero", "-1.0"]),
+    "AdaptiveGroupNorm": (lambda: normkit.AdaptiveGroupNorm(3, 8, 4),
+                          ["AdaptiveGroupNorm: num_channels (8) must be divisible by "
+                           "num_groups (3)"]),
+    "LayerNormLSTMCell": (lambda: normkit.LayerNormLSTMCell(4, 8, eps=float("nan")),
+                          ["LayerNormLSTMCell eps must be positive or zero", "nan"]),
+    "LayerNormLSTM": (lambda: normkit.LayerNormLSTM(4, 8, eps=-1e-5),
+                      ["LayerNormLSTM eps must be positive or zero", "-1e-05"]),
+    "PowerNorm-inf": (lambda: normkit.PowerNorm(4, eps=float("inf")),
+                      ["PowerNorm expected a finite eps > 0", "inf"]),
+    "AGC-clip": (lambda: normkit.AGC(_sgd(), clip_factor=-0.01),
+                 ["AGC expected clip_factor > 0", "clip_factor=-0.01"]),
+    "AGC-eps": (lambda: normkit.AGC(_sgd(), eps=float("nan")), ["AGC", "eps=nan"]),
+    "adaptive_clip_grad_": (lambda: normkit.adaptive_clip_grad_([], clip_factor=float("inf")),
+                            ["adaptive_clip_grad_ expected", "clip_factor=inf"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPED))
+def test_wrapping_layers_and_clipping_refuse_bad_numbers_naming_themselves(name):
+    call, fragments = WRAPPED[name]
+    with pytest.raises(ValueError) as info:
+        call()
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"

@@ -33,6 +33,7 @@ from torch.fx import Proxy
 from torch.nn import functional as TF
 from torch.nn.utils.rnn import PackedSequence
 
+from .norms._arguments import check_arguments
 from .norms._base import NotScriptable, fx_leaf
 from .norms._core import check_floating, shape_str
 from .norms.layer import LayerNorm
@@ -251,6 +252,7 @@ class LayerNormLSTMCell(NotScriptable, nn.Module):
         self.hidden_size = _check_size("hidden_size", hidden_size, 1)
         self.bias = bool(bias)
         self.layer_norm = bool(layer_norm)
+        check_arguments(type(self).__name__, {"eps": eps})
         self.eps = eps
         gates = 4 * self.hidden_size
         self.weight_ih = nn.Parameter(torch.empty(gates, self.input_size, **factory))
@@ -408,6 +410,7 @@ class LayerNormLSTM(NotScriptable, nn.Module):
         self.dropout = float(dropout)
         self.bidirectional = bool(bidirectional)
         self.layer_norm = bool(layer_norm)
+        check_arguments(type(self).__name__, {"eps": eps})
         self.eps = eps
         gates = 4 * self.hidden_size
         num_directions = 2 if self.bidirectional else 1

@@ -34,6 +34,7 @@ from torch.fx import Proxy
 from .. import _stats
 from .. import functional as F
 from . import _nested
+from ._arguments import check_arguments
 from ._base import NotScriptable, fx_leaf
 from ._core import check_floating, shape_str
 from .group import GroupNorm
@@ -116,6 +117,7 @@ class AdaptiveLayerNorm(_Modulated):
     def __init__(self, normalized_shape: int, cond_features: int, eps: float = 1e-5, *,
                  zero_init: bool = True, device=None, dtype=None) -> None:
         super().__init__()
+        check_arguments("AdaptiveLayerNorm", {"eps": eps})
         if isinstance(normalized_shape, Sequence) and len(normalized_shape) == 1:
             normalized_shape = normalized_shape[0]
         if isinstance(normalized_shape, bool) or not isinstance(
@@ -176,6 +178,8 @@ class AdaptiveGroupNorm(_Modulated):
                  eps: float = 1e-5, *, zero_init: bool = True, device=None,
                  dtype=None) -> None:
         super().__init__()
+        check_arguments("AdaptiveGroupNorm", {"num_groups": num_groups,
+                                              "num_channels": num_channels, "eps": eps})
         self.norm = GroupNorm(num_groups, num_channels, eps, affine=False, device=device,
                               dtype=dtype)
         self.features = int(num_channels)

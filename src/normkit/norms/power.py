@@ -335,9 +335,10 @@ class PowerNorm(NotScriptable, nn.Module):
                     0.0 <= value <= 1.0):
                 raise ValueError(f"PowerNorm expected {name} in [0, 1] (the fraction of the "
                                  f"running average kept at each step), got {value!r}")
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
-            raise ValueError(f"PowerNorm expected eps > 0 (a channel whose tokens are all 0 "
-                             f"would divide 0 by 0), got {eps!r}")
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (
+                0 < eps < float("inf")):
+            raise ValueError(f"PowerNorm expected a finite eps > 0 (a channel whose tokens "
+                             f"are all 0 would divide 0 by 0), got {eps!r}")
         if (isinstance(warmup_iters, bool) or not isinstance(warmup_iters, numbers.Integral)
                 or warmup_iters < 0):
             raise ValueError(f"PowerNorm expected warmup_iters to be an int >= 0, got "

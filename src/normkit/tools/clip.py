@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -26,6 +27,14 @@ def unitwise_norm(x: Tensor) -> Tensor:
     if x.dim() <= 1:
         return x.abs().to(compute)
     return torch.linalg.vector_norm(x, 2, tuple(range(1, x.dim())), keepdim=True, dtype=compute)
+
+
+def _check_clipping(who: str, clip_factor: float, eps: float) -> None:
+    for name, value in (("clip_factor", clip_factor), ("eps", eps)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                0 < value < float("inf")):
+            raise ValueError(f"{who} expected clip_factor > 0 and eps > 0 (finite numbers), "
+                             f"got {name}={value!r}")
 
 
 @torch.no_grad()
@@ -60,9 +69,7 @@ def adaptive_clip_grad_(parameters: Iterable[Tensor] | Tensor, clip_factor: floa
         >>> w.grad
         tensor([[0.3000, 0.4000]])
     """
-    if clip_factor <= 0 or eps <= 0:
-        raise ValueError(f"expected clip_factor > 0 and eps > 0, got clip_factor={clip_factor}"
-                         f", eps={eps}")
+    _check_clipping("adaptive_clip_grad_", clip_factor, eps)
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     clipped = torch.zeros((), dtype=torch.int64)
@@ -126,6 +133,7 @@ class AGC(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"AGC expected a torch.optim.Optimizer to wrap, got "
                             f"{type(optimizer).__name__}")
+        _check_clipping("AGC", clip_factor, eps)  # (when built, not at the first step)
         self.__dict__["optimizer"] = optimizer
         self.clip_factor, self.eps = clip_factor, eps
         names = [e for e in exclude if isinstance(e, str)]
