@@ -548,7 +548,7 @@ class _BatchRenormForward(_BatchNormForward):
             return self._training_forward(input)
 
     def _training_forward(self, input: Tensor) -> Tensor:
-        if (_exporting() or (_DYNAMO_CANNOT_READ_STEP and compiling())) and (
+        if (_exporting() or (_DYNAMO_CANNOT_READ_STEP and torch.compiler.is_compiling())) and (
                 self.num_batches_tracked is not None):
             # torch.export (and torch.compile before 2.8) cannot read the step count: the
             # limits as tensors and the renormalizing math at every step (in the warm-up
