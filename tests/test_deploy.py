@@ -130,6 +130,25 @@ needs_is_exporting = pytest.mark.skipif(
     not hasattr(torch.compiler, "is_exporting"),
     reason="torch.compiler.is_exporting (torch >= 2.5) tells torch.export from torch.compile")
 
+@needs_is_exporting
+def test_compile_is_not_taken_for_export():
+    """Dynamo up to torch 2.11 at least folds a call of ``torch.compiler.is_exporting()``
+    to True in any torch.compile trace, so compiled models took export's paths (the
+    reference math, not the registered operators) until normkit read the flag itself."""
+    from normkit.norms._core import _exporting, in_graph
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return torch.stack([x.sum() * 0 + float(_exporting()),
+                                x.sum() * 0 + float(in_graph())])
+
+    x = torch.ones(3)
+    assert Probe()(x).tolist() == [0.0, 0.0]
+    torch._dynamo.reset()
+    assert torch.compile(Probe(), fullgraph=True, backend="eager")(x).tolist() == [0.0, 1.0]
+    assert torch.export.export(Probe(), (x,)).module()(x).tolist() == [1.0, 0.0]
+
+
 #: torch.export cases: the layers whose eager paths are registered operators under
 #: torch.compile (LayerNorm, GroupNorm, training BatchNorm, the add-norm and the
 #: channels-last LayerNorm2d through LayerNorm's), and two that never were.

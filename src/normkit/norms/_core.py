@@ -242,8 +242,20 @@ def without_data(t: Tensor) -> bool:
 
 _dispatch_mode = getattr(torch._C, "_get_dispatch_mode", lambda key: None)
 _FAKE_MODE = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
-#: Whether torch.export is tracing (torch >= 2.5; before it, no export is told apart).
-_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def _exporting() -> bool:
+    """Whether torch.export is tracing (torch >= 2.5; before it, no export is told apart).
+
+    The flag is read itself: Dynamo up to torch 2.11 at least folds a *call* of
+    ``torch.compiler.is_exporting()`` to True under any torch.compile trace (2.13 reads
+    the flag), so compiled models took export's paths -- the reference math instead of
+    the registered operators. Reading the module attribute gives its value in eager
+    code, in a compile trace (False) and in an export trace (True).
+    """
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return bool(flag) if isinstance(flag, bool) else _is_exporting()
 
 
 def in_graph() -> bool:
