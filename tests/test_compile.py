@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from cases import IMAGE_LAYERS
+from cases import IMAGE_LAYERS, RENORM_FULLGRAPH_GAP
 from compile_recorder import recording_backend
 
 import normkit
@@ -455,6 +455,8 @@ def test_fullgraph_compile_across_image_sizes(name, layout, grad):
     symbolic sizes and strides, and nothing in the layer may need concrete ones (sorting
     strides to choose a reduction did: a graph break on channels-last input without a
     gradient). Outputs equal eager at every size."""
+    if name.startswith("BatchRenorm") and RENORM_FULLGRAPH_GAP:
+        pytest.skip("torch 2.5-2.10: BatchRenorm's step count breaks a full graph")
     torch._dynamo.reset()
     eager = IMAGE_LAYERS[name](4).train()
     compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, backend="aot_eager")
@@ -551,6 +553,8 @@ def test_compiled_layers_reading_buffers_they_update_keep_eager_gradients(make, 
     same forward then updates in place: torch 2.13's compiled backward read them after
     the update (gradients 1-10 % off from the second step on) until they were read
     through ``normkit::snapshot``."""
+    if isinstance(make(), normkit.BatchRenorm1d) and RENORM_FULLGRAPH_GAP:
+        pytest.skip("torch 2.5-2.10: BatchRenorm's step count breaks a full graph")
     torch._dynamo.reset()
     eager = make()
     with torch.no_grad():

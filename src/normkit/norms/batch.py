@@ -449,9 +449,13 @@ ight)
 
 
 #: torch.compile of torch 2.4 refuses ``int(num_batches_tracked)`` in a full graph
-#: ("Unsupported: Tensor.item"); 2.8 and later read it (2.5-2.7 untested: the tensor path).
+#: ("Unsupported: Tensor.item"): there a compiled graph takes the limits as tensors
+#: (checked with aot_eager and Inductor). 2.8's refuses it too, but its Inductor made
+#: wrong input gradients from the tensor limits, so from 2.5 the read stays: up to 2.10 it
+#: breaks the graph (fullgraph=True fails loudly, a plain compile runs it eagerly); 2.11
+#: and 2.13 read it.
 _DYNAMO_CANNOT_READ_STEP = tuple(
-    int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8)
+    int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
 
 
 class _BatchRenormForward(_BatchNormForward):
@@ -550,7 +554,7 @@ class _BatchRenormForward(_BatchNormForward):
     def _training_forward(self, input: Tensor) -> Tensor:
         if (_exporting() or (_DYNAMO_CANNOT_READ_STEP and torch.compiler.is_compiling())) and (
                 self.num_batches_tracked is not None):
-            # torch.export (and torch.compile before 2.8) cannot read the step count: the
+            # torch.export (and torch 2.4's torch.compile) cannot read the step count: the
             # limits as tensors and the renormalizing math at every step (in the warm-up
             # r = 1 and d = 0 exactly: BatchNorm's output, running statistics alike)
             r_max, d_max = self._limit_tensors()
