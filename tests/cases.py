@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 import normkit
+from normkit.norms import _core
 
 #: (major, minor) of the torch under test: a few tests exercise what older releases that
 #: ``torch>=2.4`` admits lack (.ci/versions runs the suite under them).
-TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+TORCH_RELEASE = _core.TORCH_RELEASE
 #: torch 2.4's jagged layout: only (B, j, D...) tensors, no nested rms_norm, no Dynamo,
 #: and unbind's backward raises.
 OLD_JAGGED = pytest.mark.skipif(TORCH_RELEASE < (2, 5), reason=(

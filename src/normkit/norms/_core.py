@@ -35,6 +35,12 @@ from ..kernels.native import backward_by_reference
 BACKENDS = ("auto", "reference", "eager", "triton")
 
 
+#: ``(major, minor)`` of the torch this process runs, for the few places where releases
+#: that ``torch>=2.4`` admits differ (``.ci/versions`` runs the suite under them).
+TORCH_RELEASE: tuple[int, int] = tuple(
+    int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
 def compiling() -> bool:
     """True while torch.compile or torch.export traces the code, ``torch.jit.trace``
     records it, a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ``jacrev``

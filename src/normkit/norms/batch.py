@@ -12,6 +12,7 @@ from ..kernels import channels, native
 from ._arguments import check_arguments
 from ._base import BackendMixin, NotScriptable, fx_leaf
 from ._core import (
+    TORCH_RELEASE,
     _exporting,
     check_channels,
     check_floating,
@@ -454,8 +455,7 @@ ight)
 #: wrong input gradients from the tensor limits, so from 2.5 the read stays: up to 2.10 it
 #: breaks the graph (fullgraph=True fails loudly, a plain compile runs it eagerly); 2.11
 #: and 2.13 read it.
-_DYNAMO_CANNOT_READ_STEP = tuple(
-    int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
+_DYNAMO_CANNOT_READ_STEP = TORCH_RELEASE < (2, 5)
 
 
 class _BatchRenormForward(_BatchNormForward):
