@@ -75,3 +75,31 @@ def _subnormals_stay_on():
         torch.set_flush_denormal(False)
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
         assert compiled, "this test switched the process to flush-to-zero (subnormals lost)"
+
+
+def pytest_collection_finish(session):
+    """Start the collected tests' background jobs (``tests/background.py``)."""
+    import background
+
+    if (session.config.option.collectonly or not background.enabled()
+            or hasattr(session.config, "workerinput")):  # (an xdist worker: each would)
+        return
+    jobs = {item.nodeid: factory for item in session.items
+            if (factory := background.factory_of(getattr(item, "function", None)))}
+    background.start(jobs)
+
+
+def pytest_sessionfinish(session):
+    import background
+
+    background.stop()
+
+
+@pytest.fixture
+def background_result(request):
+    """The finished child process of a test decorated with ``background.job``."""
+    import background
+
+    factory = background.factory_of(request.function)
+    assert factory is not None, "background_result needs a test decorated with background.job"
+    return background.result(request.node.nodeid, factory)

@@ -19,6 +19,7 @@ import types
 import zipfile
 from pathlib import Path
 
+import background
 import pytest
 import torch
 from torch import nn
@@ -758,18 +759,23 @@ def _write_wheel(path: Path, name: str, version: str) -> None:
             wheel.writestr(f, text)
 
 
-def test_gpu_check_script_rehearses_on_the_cpu(tmp_path):
-    """benchmarks/gpu_check.sh is run once per lent GPU, never in CI: its dry run checks
-    the script itself, the bench options it passes and the summary step on the CPU."""
+def _gpu_check_dry_run(tmp: Path) -> background.Command:
     root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "gpu-out"
-    wheels = tmp_path / "wheels"  # the device reaches no registry: wheels travel with it
+    wheels = tmp / "wheels"  # the device reaches no registry: wheels travel with it
     wheels.mkdir()
     _write_wheel(wheels / "normkit_probe-1.0-py3-none-any.whl", "normkit_probe", "1.0")
-    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(out), "PYTHON": sys.executable,
-           "GPU_WHEELS": str(wheels)}
-    done = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh")], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "GPU_CHECK_DRY": "1", "OUT": str(tmp / "gpu-out"),
+           "PYTHON": sys.executable, "GPU_WHEELS": str(wheels)}
+    return background.Command(["bash", str(root / "benchmarks" / "gpu_check.sh")], env=env,
+                              cwd=root, timeout=300)
+
+
+@background.job(_gpu_check_dry_run)
+def test_gpu_check_script_rehearses_on_the_cpu(background_result):
+    """benchmarks/gpu_check.sh is run once per lent GPU, never in CI: its dry run checks
+    the script itself, the bench options it passes and the summary step on the CPU (a
+    background job: it runs while the rest of the suite does)."""
+    done, out = background_result, background_result.tmp / "gpu-out"
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     for step in ("bench", "sweep", "targets"):
         assert f"{step}: exit 0" in done.stdout, done.stdout[-3000:]

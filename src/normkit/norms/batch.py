@@ -77,7 +77,23 @@ _DOC = r"""Batch Normalization over {what} (Ioffe & Szegedy 2015).
 
 def check_batch_input(module: nn.Module, input: Tensor, ndims: tuple[int, ...],
                       shape_doc: str) -> None:
-    """The input checks every BatchNorm-like module shares (dtype, rank, channels)."""
+    """The input checks every BatchNorm-like module shares (dtype, rank, channels).
+
+    Raises a ``ValueError`` naming what was expected and what was given (a non-floating
+    dtype, another rank, another channel count; a ``TypeError`` for a non-tensor);
+    returns ``None`` otherwise.
+
+    Example::
+
+        >>> import torch, normkit
+        >>> from normkit.norms.batch import check_batch_input
+        >>> bn = normkit.BatchNorm2d(3)
+        >>> check_batch_input(bn, torch.randn(2, 3, 4, 4), (4,), "(N, C, H, W)")
+        >>> check_batch_input(bn, torch.randn(2, 3), (4,), "(N, C, H, W)")
+        Traceback (most recent call last):
+            ...
+        ValueError: BatchNorm2d expected 4D input (N, C, H, W), got a 2D input of shape (2, 3)
+    """
     name = type(module).__name__
     check_floating(input, name)
     if ndims and input.dim() not in ndims:
