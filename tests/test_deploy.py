@@ -391,3 +391,22 @@ def test_fx_graph_mode_quantization_runs_around_normkit_layers():
     reference = model(x)
     err = float((quantized(x) - reference).abs().max())
     assert err < 0.1 * float(reference.abs().max()), err  # int8 rounding, not a wrong graph
+
+
+def test_quantization_fusions_after_unpatch():
+    """Quantization's fusions name torch's classes: eager ``fuse_modules`` refuses a
+    normkit BatchNorm, and fuses conv + BN + ReLU of the unpatched copy (README)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), normkit.BatchNorm2d(8),
+                                torch.nn.ReLU())
+    x = torch.randn(4, 3, 10, 10)
+    model(x)
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(AssertionError, match="did not find fuser method"):
+            torch.ao.quantization.fuse_modules(model, [["0", "1", "2"]])
+        fused = torch.ao.quantization.fuse_modules(normkit.unpatch(model),
+                                                   [["0", "1", "2"]])
+    assert type(fused[0]).__name__ == "ConvReLU2d", fused
+    torch.testing.assert_close(fused(x), model(x), **TOL[torch.float32])
