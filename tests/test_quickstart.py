@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("sklearn")
 
+import normkit  # noqa: E402
 from normkit import cli, quickstart  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -52,6 +53,18 @@ def test_cli_without_subcommand_prints_usage(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: normkit")
     assert "quickstart" in err
+
+
+def test_cli_version_and_unknown_options(capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["--version"])
+    assert excinfo.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"normkit {normkit.__version__} (torch {torch.__version__}, Python ")
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(["--verbose"])
+    assert excinfo.value.code == 2
+    assert "normkit: error: unrecognized arguments: --verbose" in capsys.readouterr().err
 
 
 def test_cli_unknown_norm_is_a_usage_error(capsys):

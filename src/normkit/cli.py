@@ -27,12 +27,21 @@ from ._files import unwritable_reason, write_text_atomic
 __all__ = ["main", "doctor_main"]
 
 
+def _version() -> str:
+    import torch
+
+    from . import __version__
+
+    return f"normkit {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="normkit",
         description="normkit: normalization layers for PyTorch.",
         epilog="Run 'normkit <subcommand> --help' for a subcommand's options.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="{lab,quickstart,doctor,bench}",
                                 title="subcommands")
     sub.add_parser(
@@ -185,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``quickstart`` forwards every argument after it to :func:`normkit.quickstart.main`,
     ``doctor`` to :func:`doctor_main`.
     With no subcommand the usage is printed to stderr and the exit code is 2, as for
-    any argparse usage error.
+    any argparse usage error; ``--version`` prints normkit's, torch's and Python's.
 
     Example:
         >>> import contextlib, io
@@ -209,6 +218,8 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     parser = _build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command is None:
+        if rest:  # (parse_known_args keeps what no subcommand took: say so)
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         parser.print_help(sys.stderr)
         return 2
     if args.command == "quickstart":
