@@ -105,10 +105,11 @@ def _run(j: _Job, nice: bool) -> None:
     with open(out, "w") as stdout, open(err, "w") as stderr, _LOCK:
         if _STOP.is_set():
             return
-        # (niced: a child that competes with this process for a core slows both)
-        j.process = subprocess.Popen(command.argv, cwd=command.cwd, env=command.env,
-                                     stdout=stdout, stderr=stderr, text=True,
-                                     preexec_fn=(lambda: os.nice(10)) if nice else None)
+        # (niced, by nice(1) rather than a preexec_fn, which is unsafe in a process with
+        # threads: a child that competes with this process for a core slows both)
+        niced = ["nice", "-n", "10"] if nice and shutil.which("nice") else []
+        j.process = subprocess.Popen([*niced, *command.argv], cwd=command.cwd,
+                                     env=command.env, stdout=stdout, stderr=stderr, text=True)
     try:
         code = j.process.wait(timeout=command.timeout)
     except subprocess.TimeoutExpired:
