@@ -8,13 +8,15 @@ after another in a thread, niced, so they use the core this process leaves idle 
 it when this process needs both. The test then calls :func:`result`, which waits for its
 job (or runs it on the spot where none was started: a test run by itself, or
 ``NORMKIT_TEST_BACKGROUND=0``, which starts none); the child's work and checks are the
-same either way.
+same either way. At the session's end :func:`stop` stops what still runs, with the
+processes it started (``tests/test_background.py``).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -54,9 +56,6 @@ class _Job:
 
 
 _ATTRIBUTE = "_normkit_background_job"
-_JOBS: dict[str, _Job] = {}
-_STOP = threading.Event()
-_LOCK = threading.Lock()
 
 
 def job(factory: Callable[[Path], Command | None]):
@@ -77,73 +76,97 @@ def enabled() -> bool:
     return os.environ.get("NORMKIT_TEST_BACKGROUND", "1").strip() not in ("0", "")
 
 
-def start(jobs: dict[str, Callable[[Path], Command | None]]) -> None:
-    """Run ``jobs`` (test node id -> factory) one after another in a daemon thread."""
-    queued = []
-    for nodeid, factory in jobs.items():
-        if nodeid not in _JOBS:
-            _JOBS[nodeid] = _Job(factory, Path(tempfile.mkdtemp(prefix="normkit-bg-")))
-            queued.append(_JOBS[nodeid])
-    if queued:
-        threading.Thread(target=_run_all, args=(queued,), name="normkit-background",
-                         daemon=True).start()
+class Runner:
+    """Jobs by test node id: started in a thread (:meth:`start`), waited for or run on the
+    spot (:meth:`result`), stopped (:meth:`stop`). The session has one (:data:`RUNNER`)."""
 
+    def __init__(self) -> None:
+        self._jobs: dict[str, _Job] = {}
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
 
-def _run_all(jobs: list[_Job]) -> None:
-    for j in jobs:
-        if not _STOP.is_set():
-            _run(j, nice=True)
-        j.done.set()
+    def start(self, jobs: dict[str, Callable[[Path], Command | None]]) -> None:
+        """Run ``jobs`` (test node id -> factory) one after another in a daemon thread."""
+        queued = [self._add(nodeid, factory) for nodeid, factory in jobs.items()
+                  if nodeid not in self._jobs]
+        if queued:
+            threading.Thread(target=self._run_all, args=(queued,), name="normkit-background",
+                             daemon=True).start()
 
+    def result(self, nodeid: str, factory: Callable[[Path], Command | None]) -> Result | None:
+        """The finished child of test ``nodeid`` (``None``: its factory had nothing to
+        run). Waits for a started job; runs it here where none was started."""
+        j = self._jobs.get(nodeid)
+        if j is None:
+            j = self._add(nodeid, factory)
+            self._run(j, nice=False)
+            j.done.set()
+        j.done.wait()
+        return j.result
 
-def _run(j: _Job, nice: bool) -> None:
-    command = j.factory(j.tmp)
-    if command is None:
-        return
-    began = time.perf_counter()
-    out, err = j.tmp / "job-stdout.txt", j.tmp / "job-stderr.txt"
-    with open(out, "w") as stdout, open(err, "w") as stderr, _LOCK:
-        if _STOP.is_set():
+    def stop(self) -> None:
+        """Stop the jobs still running or queued, with every process they started, and
+        remove every job's scratch folder."""
+        self._stopped.set()
+        with self._lock:
+            for j in self._jobs.values():
+                if j.process is not None and j.process.poll() is None:
+                    _kill(j.process)
+        for j in self._jobs.values():
+            shutil.rmtree(j.tmp, ignore_errors=True)
+        self._jobs.clear()
+
+    def _add(self, nodeid: str, factory: Callable[[Path], Command | None]) -> _Job:
+        j = self._jobs[nodeid] = _Job(factory, Path(tempfile.mkdtemp(prefix="normkit-bg-")))
+        return j
+
+    def _run_all(self, jobs: list[_Job]) -> None:
+        for j in jobs:
+            if not self._stopped.is_set():
+                self._run(j, nice=True)
+            j.done.set()
+
+    def _run(self, j: _Job, nice: bool) -> None:
+        command = j.factory(j.tmp)
+        if command is None:
             return
-        # (niced, by nice(1) rather than a preexec_fn, which is unsafe in a process with
-        # threads: a child that competes with this process for a core slows both)
-        niced = ["nice", "-n", "10"] if nice and shutil.which("nice") else []
-        j.process = subprocess.Popen([*niced, *command.argv], cwd=command.cwd,
-                                     env=command.env, stdout=stdout, stderr=stderr, text=True)
+        began = time.perf_counter()
+        out, err = j.tmp / "job-stdout.txt", j.tmp / "job-stderr.txt"
+        with open(out, "w") as stdout, open(err, "w") as stderr, self._lock:
+            if self._stopped.is_set():
+                return
+            # (niced, by nice(1) rather than a preexec_fn, which is unsafe in a process
+            # with threads: a child that competes with this process for a core slows both;
+            # a session of its own: stopping it stops what it started too, gpu_check.sh's
+            # python processes, and the terminal's Ctrl-C reaches only this process)
+            niced = ["nice", "-n", "10"] if nice and shutil.which("nice") else []
+            j.process = subprocess.Popen([*niced, *command.argv], cwd=command.cwd,
+                                         env=command.env, stdout=stdout, stderr=stderr,
+                                         text=True, start_new_session=True)
+        try:
+            code = j.process.wait(timeout=command.timeout)
+        except subprocess.TimeoutExpired:
+            _kill(j.process)
+            code = None
+        if self._stopped.is_set():  # (stop() removes the scratch folder)
+            return
+        stderr_text = err.read_text()
+        if code is None:
+            stderr_text += f"\n[background job stopped after {command.timeout:g} s]"
+            code = -9
+        j.result = Result(code, out.read_text(), stderr_text, j.tmp,
+                          time.perf_counter() - began)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """Stop ``process`` and every process of its session (the job's children too)."""
     try:
-        code = j.process.wait(timeout=command.timeout)
-    except subprocess.TimeoutExpired:
-        j.process.kill()
-        j.process.wait()
-        code = None
-    seconds = time.perf_counter() - began
-    stderr_text = err.read_text()
-    if code is None:
-        stderr_text += f"\n[background job stopped after {command.timeout:.0f} s]"
-        code = -9
-    j.result = Result(code, out.read_text(), stderr_text, j.tmp, seconds)
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # (already gone, with everything it started)
+        pass
+    process.wait()
 
 
-def result(nodeid: str, factory: Callable[[Path], Command | None]) -> Result | None:
-    """The finished child of test ``nodeid`` (``None``: its factory had nothing to run).
-    Waits for a started job; runs it here where none was started."""
-    j = _JOBS.get(nodeid)
-    if j is None:
-        j = _JOBS[nodeid] = _Job(factory, Path(tempfile.mkdtemp(prefix="normkit-bg-")))
-        _run(j, nice=False)
-        j.done.set()
-    j.done.wait()
-    return j.result
-
-
-def stop() -> None:
-    """Stop the jobs still running or queued and remove every job's scratch folder."""
-    _STOP.set()
-    with _LOCK:
-        for j in _JOBS.values():
-            if j.process is not None and j.process.poll() is None:
-                j.process.kill()
-                j.process.wait()
-    for j in _JOBS.values():
-        shutil.rmtree(j.tmp, ignore_errors=True)
-    _JOBS.clear()
+#: The test session's jobs (``conftest.py``).
+RUNNER = Runner()
+start, result, stop = RUNNER.start, RUNNER.result, RUNNER.stop

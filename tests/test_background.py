@@ -1,0 +1,98 @@
+"""The test suite's background jobs (``tests/background.py``), each test on a runner of its
+own (the session's jobs stay untouched)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import background
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX process groups")
+
+
+def _shell(script: str, timeout: float = 60) -> background.Command:
+    return background.Command(["bash", "-c", script], env=dict(os.environ), cwd=Path.cwd(),
+                              timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie waiting to be reaped does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_for(path: Path, seconds: float = 20) -> str:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} was not written within {seconds} s")
+
+
+def test_a_started_job_runs_niced_and_its_test_reads_the_result():
+    runner = background.Runner()
+    try:
+        runner.start({"t::a": lambda tmp: _shell(f"echo hi > {tmp}/out.txt; nice; exit 3")})
+        done = runner.result("t::a", None)
+        assert done.returncode == 3
+        assert (done.tmp / "out.txt").read_text() == "hi\n"
+        if shutil.which("nice"):
+            assert done.stdout.split() == ["10"]  # (nice prints the niceness it runs at)
+    finally:
+        runner.stop()
+    assert not done.tmp.exists()  # stop() removes the scratch folders
+
+
+def test_a_job_not_started_runs_when_its_test_asks():
+    runner = background.Runner()
+    try:
+        done = runner.result("t::b", lambda tmp: _shell("nice"))
+        assert done.returncode == 0 and done.stdout.split() == ["0"]  # not niced, here
+        assert runner.result("t::c", lambda tmp: None) is None  # nothing to run
+    finally:
+        runner.stop()
+
+
+def test_stop_ends_a_running_job_and_what_it_started():
+    runner = background.Runner()
+    pids = []
+
+    def factory(tmp):
+        pids.append(tmp / "pids")
+        return _shell(f"sleep 120 & echo $$ $! > {tmp}/pids; wait")
+
+    runner.start({"t::d": factory})
+    try:
+        while not pids:
+            time.sleep(0.05)
+        shell, child = map(int, _wait_for(pids[0]).split())
+        assert _alive(shell) and _alive(child)
+        assert os.getsid(shell) == shell == os.getpgid(child)  # a session of its own
+        runner.stop()
+        time.sleep(0.2)
+        assert not _alive(shell) and not _alive(child)
+    finally:
+        runner.stop()
+
+
+def test_a_job_past_its_time_limit_is_stopped_and_says_so():
+    runner = background.Runner()
+    try:
+        done = runner.result("t::e", lambda tmp: _shell(
+            f"sleep 120 & echo $! > {tmp}/pid; wait", timeout=1))
+        child = int((done.tmp / "pid").read_text())
+        assert done.returncode == -9
+        assert "[background job stopped after 1 s]" in done.stderr
+        time.sleep(0.2)
+        assert not _alive(child)
+    finally:
+        runner.stop()
