@@ -4,12 +4,12 @@ A few tests only wait on a child process for most of a minute (the Triton suite 
 fresh process, the GPU check's dry run), which leaves one of a CI machine's two cores idle
 while this process waits. Such a test names its command with :func:`job`; right after
 collection ``conftest.py`` hands every collected job to :func:`start`, which runs them one
-after another in a thread, niced, so they use the core this process leaves idle and yield
-it when this process needs both. The test then calls :func:`result`, which waits for its
-job (or runs it on the spot where none was started: a test run by itself, or
-``NORMKIT_TEST_BACKGROUND=0``, which starts none); the child's work and checks are the
-same either way. At the session's end :func:`stop` stops what still runs, with the
-processes it started (``tests/test_background.py``).
+after another in a thread at the idle priority (Linux's SCHED_IDLE, else niced), so they
+use the core this process leaves idle and yield it when this process needs both. The test
+then calls :func:`result`, which waits for its job (or runs it on the spot where none was
+started: a test run by itself, or ``NORMKIT_TEST_BACKGROUND=0``, which starts none); the
+child's work and checks are the same either way. At the session's end :func:`stop` stops
+what still runs, with the processes it started (``tests/test_background.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -73,7 +74,10 @@ def factory_of(test) -> Callable[[Path], Command | None] | None:
 
 
 def enabled() -> bool:
-    return os.environ.get("NORMKIT_TEST_BACKGROUND", "1").strip() not in ("0", "")
+    """Whether jobs start right after collection (not on Windows, nor where
+    ``NORMKIT_TEST_BACKGROUND=0``)."""
+    return (os.name == "posix"
+            and os.environ.get("NORMKIT_TEST_BACKGROUND", "1").strip() not in ("0", ""))
 
 
 class Runner:
@@ -135,11 +139,14 @@ class Runner:
         with open(out, "w") as stdout, open(err, "w") as stderr, self._lock:
             if self._stopped.is_set():
                 return
-            # (niced, by nice(1) rather than a preexec_fn, which is unsafe in a process
-            # with threads: a child that competes with this process for a core slows both;
-            # a session of its own: stopping it stops what it started too, gpu_check.sh's
-            # python processes, and the terminal's Ctrl-C reaches only this process)
-            niced = ["nice", "-n", "10"] if nice and shutil.which("nice") else []
+            # (at the idle priority, chrt(1)'s SCHED_IDLE, else nice(1); by a command
+            # rather than a preexec_fn, which is unsafe in a process with threads: the job
+            # gets only what this process leaves idle -- niced alone, its torch threads took
+            # their share from this process's, which made two-thread tests here up to 28x
+            # slower in one full run; a session of its own: stopping it stops what it
+            # started too, gpu_check.sh's python processes, and the terminal's Ctrl-C
+            # reaches only this process)
+            niced = _IDLE if nice else []
             j.process = subprocess.Popen([*niced, *command.argv], cwd=command.cwd,
                                          env=command.env, stdout=stdout, stderr=stderr,
                                          text=True, start_new_session=True)
@@ -158,10 +165,18 @@ class Runner:
                           time.perf_counter() - began)
 
 
+#: The command prefix that runs a job at the idle priority (empty: none available).
+_IDLE = (["chrt", "--idle", "0"] if shutil.which("chrt") and sys.platform.startswith("linux")
+         else ["nice", "-n", "19"] if shutil.which("nice") else [])
+
+
 def _kill(process: subprocess.Popen) -> None:
     """Stop ``process`` and every process of its session (the job's children too)."""
     try:
-        os.killpg(process.pid, signal.SIGKILL)
+        if hasattr(os, "killpg"):
+            os.killpg(process.pid, signal.SIGKILL)
+        else:  # (Windows: no process groups to stop)
+            process.kill()
     except ProcessLookupError:  # (already gone, with everything it started)
         pass
     process.wait()
