@@ -4,7 +4,8 @@ A few tests only wait on a child process for most of a minute (the Triton suite 
 fresh process, the GPU check's dry run), which leaves one of a CI machine's two cores idle
 while this process waits. Such a test names its command with :func:`job`; right after
 collection ``conftest.py`` hands every collected job to :func:`start`, which runs them one
-after another in a thread at the idle priority (Linux's SCHED_IDLE, else niced), so they
+after another in a thread at the idle priority (Linux's SCHED_IDLE, else niced; with the
+session's autogroup niced too, see :func:`_lower_autogroup`), so they
 use the core this process leaves idle and yield it when this process needs both. The test
 then calls :func:`result`, which waits for its job (or runs it on the spot where none was
 started: a test run by itself, or ``NORMKIT_TEST_BACKGROUND=0``, which starts none); the
@@ -145,11 +146,14 @@ class Runner:
             # their share from this process's, which made two-thread tests here up to 28x
             # slower in one full run; a session of its own: stopping it stops what it
             # started too, gpu_check.sh's python processes, and the terminal's Ctrl-C
-            # reaches only this process)
+            # reaches only this process; and that session's autogroup niced, or the
+            # idle priority counts only inside it)
             niced = _IDLE if nice else []
             j.process = subprocess.Popen([*niced, *command.argv], cwd=command.cwd,
                                          env=command.env, stdout=stdout, stderr=stderr,
                                          text=True, start_new_session=True)
+            if nice:
+                _lower_autogroup(j.process.pid)
         try:
             code = j.process.wait(timeout=command.timeout)
         except subprocess.TimeoutExpired:
@@ -168,6 +172,23 @@ class Runner:
 #: The command prefix that runs a job at the idle priority (empty: none available).
 _IDLE = (["chrt", "--idle", "0"] if shutil.which("chrt") and sys.platform.startswith("linux")
          else ["nice", "-n", "19"] if shutil.which("nice") else [])
+
+
+def _lower_autogroup(pid: int) -> None:
+    """Give the new session of process ``pid`` the lowest CPU share among sessions.
+
+    Where Linux's autogroup scheduling is on (``/proc/sys/kernel/sched_autogroup_enabled``)
+    a new session is a scheduling group of its own, which the CPU is shared between as
+    between equals: the SCHED_IDLE of the processes inside ranks them only within their
+    group. Without this the job's group took half of a core the suite's second thread
+    needed (four two-thread tests overlapping the Triton job ran 5-6x slower, about 55 s
+    of a full run). The group's nice value of 19 is what ``/proc/<pid>/autogroup`` takes;
+    raising it needs no privilege. Elsewhere there is no such file and nothing to do.
+    """
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text("19")
+    except OSError:  # (no autogroup here, or the child is already gone)
+        pass
 
 
 def _kill(process: subprocess.Popen) -> None:

@@ -61,6 +61,23 @@ def test_a_started_job_runs_niced_and_its_test_reads_the_result():
     assert not done.tmp.exists()  # stop() removes the scratch folders
 
 
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(),
+                    reason="no autogroup scheduling (Linux's sched_autogroup) here")
+def test_a_started_job_gets_the_lowest_share_of_its_session_group():
+    """With autogroup scheduling on, a session is a scheduling group and the job's own
+    SCHED_IDLE ranks it only inside that group: the group itself must be niced."""
+    runner = background.Runner()
+    try:
+        runner.start({"t::g": lambda tmp: _shell("sleep 0.2; cat /proc/self/autogroup")})
+        done = runner.result("t::g", None)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split()[-2:] == ["nice", "19"], done.stdout
+        here = runner.result("t::h", lambda tmp: _shell("cat /proc/self/autogroup"))
+        assert here.stdout.split()[-2:] == ["nice", "0"], here.stdout  # (run on the spot)
+    finally:
+        runner.stop()
+
+
 def test_a_job_not_started_runs_when_its_test_asks():
     runner = background.Runner()
     try:
