@@ -183,12 +183,21 @@ def _lower_autogroup(pid: int) -> None:
     group. Without this the job's group took half of a core the suite's second thread
     needed (four two-thread tests overlapping the Triton job ran 5-6x slower, about 55 s
     of a full run). The group's nice value of 19 is what ``/proc/<pid>/autogroup`` takes;
-    raising it needs no privilege. Elsewhere there is no such file and nothing to do.
+    raising it needs no privilege, but the kernel takes such a write from an unprivileged
+    process once per 100 ms machine-wide (EAGAIN before): retried for up to 2 s.
+    Elsewhere there is no such file and nothing to do.
     """
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text("19")
-    except OSError:  # (no autogroup here, or the child is already gone)
-        pass
+    path, end = Path(f"/proc/{pid}/autogroup"), time.monotonic() + 2.0
+    while True:
+        try:
+            path.write_text("19")
+            return
+        except BlockingIOError:  # (EAGAIN: another autogroup write in the last 100 ms)
+            if time.monotonic() > end:
+                return
+            time.sleep(0.02)
+        except OSError:  # (no autogroup here, or the child is already gone)
+            return
 
 
 def _kill(process: subprocess.Popen) -> None:

@@ -78,6 +78,35 @@ def test_a_started_job_gets_the_lowest_share_of_its_session_group():
         runner.stop()
 
 
+def test_the_group_nice_is_retried_while_the_kernel_says_try_again(monkeypatch):
+    """An unprivileged process may set an autogroup's nice once per 100 ms machine-wide
+    (EAGAIN before, seen here as user nobody): the write is retried, not dropped."""
+    writes = []
+
+    class Proc:
+        def __init__(self, path):
+            self.path = path
+
+        def write_text(self, text):
+            writes.append((self.path, text))
+            if len(writes) < 3:
+                raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(background, "Path", Proc)
+    background._lower_autogroup(1234)
+    assert writes == [("/proc/1234/autogroup", "19")] * 3
+
+    class Missing(Proc):
+        def write_text(self, text):
+            writes.append((self.path, text))
+            raise FileNotFoundError(2, "No such file or directory")
+
+    writes.clear()
+    monkeypatch.setattr(background, "Path", Missing)
+    background._lower_autogroup(1234)  # (no autogroup here: one try, no error)
+    assert writes == [("/proc/1234/autogroup", "19")]
+
+
 def test_a_job_not_started_runs_when_its_test_asks():
     runner = background.Runner()
     try:
