@@ -70,42 +70,6 @@ def job(factory: Callable[[Path], Command | None]):
     return mark
 
 
-def this_test_in_a_child(test_file: str, name: str, timeout: float = 300):
-    """The factory of a job that runs test ``name`` of ``test_file`` in a child pytest,
-    for a test that computes for a while on one thread: the child runs the test's own
-    body (there the factory returns ``None``, so its ``background_result`` is ``None``),
-    and so does this process where no job starts (``NORMKIT_TEST_BACKGROUND=0``, no
-    POSIX). The test then reads the child's outcome with :func:`passed_in_the_child`."""
-    path = Path(test_file).resolve()
-
-    def factory(tmp: Path) -> Command | None:
-        if os.environ.get(_CHILD) or not enabled():
-            return None
-        env = {**os.environ, _CHILD: "1", "NORMKIT_TEST_BACKGROUND": "0"}
-        return Command([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                        f"{path}::{name}"], env=env, cwd=path.parents[1], timeout=timeout)
-    return factory
-
-
-def passed_in_the_child(done: Result) -> None:
-    """Fail with the child's output unless its one test passed; skip with the child's
-    reason where it skipped."""
-    import pytest
-
-    lines = done.stdout.strip().splitlines()
-    summary = lines[-1] if lines else ""
-    if done.returncode == 0 and " skipped" in summary and " passed" not in summary:
-        reason = next((line.split(": ", 1)[-1] for line in lines if line.startswith("SKIPPED")),
-                      summary)
-        pytest.skip(f"in the child: {reason}")
-    assert done.returncode == 0 and summary.startswith("1 passed"), (
-        done.stdout[-6000:] + done.stderr[-3000:])
-
-
-#: Set in a child that :func:`this_test_in_a_child` started.
-_CHILD = "NORMKIT_TEST_BACKGROUND_CHILD"
-
-
 def factory_of(test) -> Callable[[Path], Command | None] | None:
     return getattr(test, _ATTRIBUTE, None)
 

@@ -151,31 +151,3 @@ def test_a_job_past_its_time_limit_is_stopped_and_says_so():
         assert not _alive(child)
     finally:
         runner.stop()
-
-
-def test_a_childs_outcome_is_the_tests():
-    """``passed_in_the_child``: one test passed, or its failure shown, or its skip kept."""
-    def done(code, stdout):
-        return background.Result(code, stdout, "boom on stderr", Path("."), 1.0)
-
-    background.passed_in_the_child(done(0, ".  [100%]\n1 passed in 2.00s\n"))
-    with pytest.raises(AssertionError, match="boom on stderr"):
-        background.passed_in_the_child(done(1, "F  [100%]\nE  assert 1 == 2\n1 failed in 2s\n"))
-    with pytest.raises(AssertionError):  # (no test ran at all: the node id is wrong)
-        background.passed_in_the_child(done(4, "ERROR: not found: x.py::t\n"))
-    with pytest.raises(pytest.skip.Exception, match="in the child: made with another torch"):
-        background.passed_in_the_child(done(0, "s  [100%]\nSKIPPED [1] tests/x.py:9: made "
-                                               "with another torch\n1 skipped in 1s\n"))
-
-
-def test_a_test_run_in_a_child_runs_its_body_there_and_here_without_jobs(monkeypatch):
-    factory = background.this_test_in_a_child(__file__, "test_x")
-    command = factory(Path("."))
-    assert command.argv[-1] == f"{Path(__file__).resolve()}::test_x"
-    assert command.env[background._CHILD] == "1"
-    assert command.env["NORMKIT_TEST_BACKGROUND"] == "0"  # (the child starts no jobs)
-    monkeypatch.setenv(background._CHILD, "1")  # in the child: the body runs there
-    assert factory(Path(".")) is None
-    monkeypatch.delenv(background._CHILD)
-    monkeypatch.setenv("NORMKIT_TEST_BACKGROUND", "0")  # no jobs: the body runs here
-    assert factory(Path(".")) is None

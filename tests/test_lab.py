@@ -15,7 +15,6 @@ import re
 from html.parser import HTMLParser
 from pathlib import Path
 
-import background
 import pytest
 import torch
 
@@ -297,43 +296,34 @@ def test_the_ln_init_experiments_models_differ_in_beta_alone():
 CHECKED_IN = Path(__file__).resolve().parent.parent / "docs" / "lab-report" / RESULTS
 
 
-@background.job(background.this_test_in_a_child(
-    __file__, "test_the_checked_in_report_is_what_this_code_computes"))
-def test_the_checked_in_report_is_what_this_code_computes(background_result):
+def test_the_checked_in_report_is_what_this_code_computes():
     """The cheapest quick-profile run of every experiment (``cost`` aside: it times),
     rerun here, gives the checked-in record bit for bit -- where torch's version and
     CPU kernels are the ones it was made with (a record's bits depend on them). A
     failure means a change altered the lab's numerics and docs/lab-report is stale:
     rerun it (``python -m normkit lab run all --force --out docs/lab-report``) and
-    read the verdicts again. (One thread for about 20 s: a background job, run in a
-    child pytest while the rest of the suite runs.)"""
-    if background_result is not None:
-        background.passed_in_the_child(background_result)
-        return
+    read the verdicts again."""
     from normkit.lab.runner import cpu_capability
 
     checked_in = {}
     for line in _lines(CHECKED_IN):
         record = json.loads(line)
         checked_in[record["run_id"]] = record
-    threads, compared = torch.get_num_threads(), 0
-    torch.set_num_threads(1)  # (as the lab runs; restored for the tests after this one)
-    try:
-        for exp in EXPERIMENTS:
-            if exp.name == "cost":
-                continue
-            spec = min((s for s in exp.plan("quick", 0) if s.seed == 0), key=lambda s: s.cost)
-            want = checked_in.get(spec.run_id)
-            assert want is not None, f"{spec.run_id} is not in {CHECKED_IN}"
-            if want.get("torch") != torch.__version__ or want.get("cpu") != cpu_capability():
-                continue
-            got = execute(exp, spec)
-            assert got["result"] == want["result"], (
-                f"{spec.run_id}: the checked-in record differs from this code's: rerun "
-                f"docs/lab-report")
-            compared += 1
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)
+    compared = 0
+    for exp in EXPERIMENTS:
+        if exp.name == "cost":
+            continue
+        spec = min((s for s in exp.plan("quick", 0) if s.seed == 0), key=lambda s: s.cost)
+        want = checked_in.get(spec.run_id)
+        assert want is not None, f"{spec.run_id} is not in {CHECKED_IN}"
+        if want.get("torch") != torch.__version__ or want.get("cpu") != cpu_capability():
+            continue
+        got = execute(exp, spec)
+        assert got["result"] == want["result"], (
+            f"{spec.run_id}: the checked-in record differs from this code's: rerun "
+            f"docs/lab-report")
+        compared += 1
     if not compared:
         pytest.skip(f"docs/lab-report was made with another torch or CPU (torch "
                     f"{torch.__version__}, {cpu_capability()} kernels here)")
