@@ -54,6 +54,13 @@ BAD = {
                           ["(N, 6, *)", "(2, 4, 3)"]),
     "gn-1d-input": (lambda: F.group_norm(torch.randn(6), 2), ["(N, C, *)", "1D", "(6)"]),
     "gn-bad-groups": (lambda: F.group_norm(torch.randn(2, 6), 0), ["positive", "0"]),
+    # torch raises for these since 2.14 (an empty batch stays fine); normkit under any torch
+    "gn-no-channels": (lambda: F.group_norm(torch.randn(1, 0, 2), 1),
+                       ["at least one channel", "(1, 0, 2)"]),
+    "gn-no-positions": (lambda: normkit.GroupNorm(2, 4)(torch.randn(2, 4, 0, 3)),
+                        ["at least one position", "(2, 4, 0, 3)"]),
+    "gn-act-no-positions": (lambda: normkit.GroupNormAct(2, 4, act="silu")(torch.randn(2, 4, 0)),
+                            ["at least one position", "(2, 4, 0)"]),
     "in-wrong-channels-affine": (
         lambda: normkit.InstanceNorm2d(3, affine=True)(torch.randn(2, 4, 5, 5)),
         ["3 channels", "(2, 4, 5, 5)"]),

@@ -751,7 +751,9 @@ def group_norm(
     ``C / num_groups`` consecutive channels; each ``(n, group)`` is normalized over its
     channels and spatial positions, then the per-channel affine is applied.
     ``num_groups=1`` is LayerNorm over ``(C, *)`` with per-channel affine;
-    ``num_groups=C`` is InstanceNorm.
+    ``num_groups=C`` is InstanceNorm. An empty batch gives an empty output; input with
+    no channels or no positions raises a ValueError, under every torch (torch's own
+    rule since 2.14; before, it returned an empty output).
 
     Example:
         >>> x = torch.randn(2, 6, 5)
@@ -771,6 +773,12 @@ def group_norm(
             f"num_groups={num_groups}, got input of shape {shape_str(input)} "
             f"({channels} channels)"
         )
+    if input.numel() == 0 and (channels == 0 or input.shape[2:].numel() == 0):
+        # torch's rule since 2.14 (an empty batch stays fine): a group of no channels or
+        # of no positions has no statistics; raised under every torch, the same answer
+        what = "channel (dim 1)" if channels == 0 else "position in the dims after dim 1"
+        raise ValueError(f"{who} expected at least one {what}, got input of shape "
+                         f"{shape_str(input)}")
     _check_per_channel(input, who, weight=weight, bias=bias)
     weight, bias = _dense_params(weight, bias)
     # torch's rule (F.group_norm's _verify_batch_size), kept for parity: one value per
