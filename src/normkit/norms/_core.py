@@ -252,16 +252,51 @@ _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def _exporting() -> bool:
-    """Whether torch.export is tracing (torch >= 2.5; before it, no export is told apart).
+    """Whether torch.export is tracing.
 
-    The flag is read itself: Dynamo up to torch 2.11 at least folds a *call* of
-    ``torch.compiler.is_exporting()`` to True under any torch.compile trace (2.13 reads
-    the flag), so compiled models took export's paths -- the reference math instead of
-    the registered operators. Reading the module attribute gives its value in eager
-    code, in a compile trace (False) and in an export trace (True).
+    From torch 2.7 the exporting flag is read itself: Dynamo up to torch 2.11 at least
+    folds a *call* of ``torch.compiler.is_exporting()`` to True under any torch.compile
+    trace (2.13 reads the flag), so compiled models took export's paths -- the reference
+    math instead of the registered operators. Reading the module attribute gives its
+    value in eager code, in a compile trace (False) and in an export trace (True).
+
+    torch 2.4-2.6 have no exporting flag, but only export raises their compiling flag
+    (torch.compile's Dynamo answers ``is_compiling()`` without it): that flag, read the
+    same way, tells a non-strict export. Before torch 2.8 a strict export (the default
+    ``strict=True`` up to 2.7) traces the model with Dynamo before raising either flag:
+    there Dynamo's own record of the trace tells (:func:`_dynamo_strict_export`).
     """
+    if _STRICT_EXPORT_UNFLAGGED:
+        flag = getattr(torch.compiler, "_is_exporting_flag",
+                       getattr(torch.compiler, "_is_compiling_flag", False))
+        return bool(flag) or (torch.compiler.is_compiling() and _dynamo_strict_export())
     flag = getattr(torch.compiler, "_is_exporting_flag", None)
     return bool(flag) if isinstance(flag, bool) else _is_exporting()
+
+
+#: torch 2.4-2.7 trace a strict export with Dynamo while the exporting flag (2.4-2.6: the
+#: compiling flag) is down (2.8 raises it first): in that trace it reads False, as under
+#: torch.compile.
+_STRICT_EXPORT_UNFLAGGED = TORCH_RELEASE < (2, 8)
+
+
+def _dynamo_strict_export() -> bool:
+    """Whether the Dynamo trace under way is a strict ``torch.export`` (torch 2.4-2.7):
+    Dynamo's own record of it, read at trace time (Dynamo takes the answer as a
+    constant, ``assume_constant_result``; a private attribute of those fixed releases,
+    read on no other). False outside a Dynamo trace (a non-strict export runs the
+    Python itself)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        translator = InstructionTranslator.current_tx()
+    except AttributeError:  # no Dynamo trace on this thread
+        return False
+    return bool(getattr(translator, "export", False))
+
+
+if _STRICT_EXPORT_UNFLAGGED:
+    _dynamo_strict_export = torch._dynamo.assume_constant_result(_dynamo_strict_export)
 
 
 def in_graph() -> bool:

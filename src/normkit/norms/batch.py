@@ -623,7 +623,7 @@ class _BatchRenormForward(_BatchNormForward):
             # low part (a float32 mean at 1e4 is off by up to 5e-4)
             d = (mean.double() - running_mean.double() + mean_lo.double().view(-1)
                  ).mul_(inv_sigma.double()).to(mean.dtype)
-        d.clamp_(-d_max, d_max)
+        d = d.clamp(-d_max, d_max)  # (not in place: torch 2.4's export refuses it here)
         w, b = self.weight, self.bias
         if w is None:
             return r, d if b is None else b + d
