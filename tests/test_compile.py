@@ -19,6 +19,7 @@ from cases import IMAGE_LAYERS, RENORM_FULLGRAPH_GAP
 from compile_recorder import recording_backend
 
 import normkit
+from normkit._constant import constant_result
 from normkit.kernels import channels
 from normkit.kernels import triton as triton_kernels
 
@@ -600,10 +601,13 @@ def test_the_constant_marker_is_the_one_torchs_decorator_sets():
         return 1
 
     torch.compiler.assume_constant_result(torchs)
-    assert triton_kernels._constant_result(normkits) is normkits
+    assert constant_result(normkits) is normkits
     assert vars(normkits) == vars(torchs) != {}
     for name in ("available", "_device_problem"):
         assert vars(getattr(triton_kernels, name)) == vars(torchs), name
+    from normkit.norms import _core
+    if _core._STRICT_EXPORT_UNFLAGGED:  # (torch 2.4-2.7: strict export told by Dynamo)
+        assert vars(_core._dynamo_strict_export) == vars(torchs)
 
 
 def test_a_marked_function_is_a_constant_under_fullgraph_compile():
@@ -618,7 +622,7 @@ def test_a_marked_function_is_a_constant_under_fullgraph_compile():
         calls.append(1)
         return importlib.import_module("math").pi
 
-    @triton_kernels._constant_result
+    @constant_result
     def constant():
         return probe() > 3
 

@@ -29,6 +29,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
 from .. import _stats
+from .._constant import constant_result
 from ..kernels import library
 from ..kernels.native import backward_by_reference
 
@@ -296,7 +297,7 @@ def _dynamo_strict_export() -> bool:
 
 
 if _STRICT_EXPORT_UNFLAGGED:
-    _dynamo_strict_export = torch._dynamo.assume_constant_result(_dynamo_strict_export)
+    _dynamo_strict_export = constant_result(_dynamo_strict_export)
 
 
 def in_graph() -> bool:

@@ -70,6 +70,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..._constant import constant_result
+
 __all__ = [
     "available",
     "interpreting",
@@ -90,19 +92,6 @@ _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _ACTS = (None, "identity", "silu")
 
 
-def _constant_result(fn):
-    """``torch.compiler.assume_constant_result`` without importing Dynamo at import time.
-
-    torch's decorator imports ``torch._dynamo`` (and sympy with it) to set one attribute
-    on ``fn``, which Dynamo reads when it traces a call: that import took 2.7 s on a
-    2-core VM, more than ``import torch`` itself, and every ``import normkit`` paid it.
-    The same attribute is set here; ``tests/test_compile.py`` checks it is the one
-    torch's decorator sets and that a compiled call takes the result as a constant.
-    """
-    fn._dynamo_marked_constant = True
-    return fn
-
-
 @functools.cache
 def _triton_imports() -> bool:
     try:
@@ -115,7 +104,7 @@ def _triton_imports() -> bool:
 # (torch.compile calls this once while tracing and bakes in the result. The decorator
 # must sit on a plain function: on a functools.cache wrapper, torch 2.11's Dynamo traces
 # into the wrapper instead, reaches importlib and breaks the graph -- seen on an H200.)
-@_constant_result
+@constant_result
 def available() -> bool:
     """True when ``triton`` imports (the result is cached; the first call imports it).
 
@@ -212,7 +201,7 @@ def _problem_device(x: Tensor) -> str | None:
     return _device_problem(x.device.type, str(x.device))
 
 
-@_constant_result  # (torch.compile: a constant of the process)
+@constant_result  # (torch.compile: a constant of the process)
 def _device_problem(device_type: str, device: str) -> str | None:
     cpu = ("a CUDA tensor, got a CPU tensor (CPU tensors run only through Triton's "
            "interpreter, which TRITON_INTERPRET=1 must switch on before triton is first "
