@@ -805,6 +805,7 @@ def test_batch_norm_act_takes_the_kernel(training, layout):
 
 # ------------------------------------------------------------------- differential fuzz
 
+import hypothesis.errors  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -830,6 +831,23 @@ def _replayable(test):
             return test(op, data)
 
     return run
+
+
+def test_a_fuzz_failure_on_torch_draws_replays():
+    """A failure that depends on what torch draws is reported as itself, replayable, under
+    :func:`_replayable`; without it Hypothesis cannot reproduce it and says it is flaky."""
+    def body(op, data):
+        data.draw(st.integers(0, 10**6))
+        assert float(torch.rand(())) < 0.8, "a torch draw above 0.8"
+
+    def run(wrap):
+        test = given(op=st.just("bn"), data=st.data())(wrap(body))
+        settings(max_examples=200, deadline=None, database=None)(test)()
+
+    with pytest.raises(AssertionError, match="a torch draw above 0.8"):
+        run(_replayable)
+    with pytest.raises(hypothesis.errors.Flaky):
+        run(lambda f: f)
 
 
 def _fuzz_layout(x, layout):
