@@ -35,6 +35,8 @@ __all__ = [
     "Moments",
     "compute_dtype",
     "upcast",
+    "FEW_VALUES",
+    "reference_dtype",
     "reduced_count",
     "moments",
     "mean_square",
@@ -86,6 +88,40 @@ def upcast(x: Tensor) -> Tensor:
     """
     target = compute_dtype(x.dtype)
     return x if x.dtype == target else x.to(target)
+
+
+#: Statistics over fewer values than this are differentiated in float64 by the reference
+#: math (:func:`reference_dtype`). Over ``k`` values the input gradient of a
+#: normalization, ``rstd * (g - mean(g) - xhat * mean(g * xhat))``, is ``g`` with its
+#: components along the constant vector and ``xhat`` taken out (along ``xhat`` alone
+#: without centering). At ``k = 2`` that leaves nothing but what ``eps`` adds: the terms
+#: cancel to ``eps / (var + eps)`` of their size, and float32 loses the digits the ratio
+#: ``var / eps`` takes. Second derivatives of normkit's float32 paths before it took
+#: float64 here, over 200 draws per count, against float64, relative to their largest
+#: value: LayerNorm 8.9e-4 (torch's 9.3e-4) at 2 values, 2.7e-5 at 3, 1.0e-6 at 4;
+#: BatchNorm 1.6e-4 (torch's 4.6e-3) at 2, 7.8e-6 at 3, 2.6e-6 at 4; RMSNorm 4.2e-4 at 1,
+#: 2.3e-6 at 2 (the Triton fuzz's float32 tolerance is 1e-5). Since: benchmarks/ACCURACY.md,
+#: "Statistics over few values".
+FEW_VALUES = 4
+
+
+def reference_dtype(x: Tensor, count: int) -> torch.dtype:
+    """Return the dtype normkit's reference math computes in when each statistic pools
+    ``count`` values of ``x``: its compute dtype, or float64 for fewer than
+    :data:`FEW_VALUES` values (the derivatives there are what ``eps`` leaves of cancelling
+    terms). A symbolic ``count`` (a dynamic shape under ``torch.compile`` or
+    ``torch.export``) keeps the compute dtype, so no guard is added on the shape, as does
+    a device without float64 (MPS).
+
+    Example:
+        >>> reference_dtype(torch.ones(2, 3), 3)
+        torch.float64
+        >>> reference_dtype(torch.ones(2, 8), 8)
+        torch.float32
+    """
+    if type(count) is int and count < FEW_VALUES and x.device.type != "mps":
+        return torch.float64
+    return compute_dtype(x.dtype)
 
 
 def reduced_count(shape: Sequence[int], dims: Sequence[int]) -> int:

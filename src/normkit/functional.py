@@ -123,6 +123,30 @@ def _torch_kernels(backend: str, x: Tensor) -> bool:
     return backend == "auto" and _off_cpu(x)
 
 
+def _few_values_backend(backend: str, count: int, *tensors: Tensor | None) -> str:
+    """``backend``, or ``"reference"`` where ``"auto"`` would take a gradient of
+    statistics over fewer than :data:`normkit._stats.FEW_VALUES` values each.
+
+    There the gradient is what ``eps`` leaves of cancelling terms (see ``FEW_VALUES``):
+    float32 kernels, torch's and normkit's alike, lose the digits the ratio ``var / eps``
+    takes (torch's layers at two values per statistic: first derivatives up to 1.9e-3,
+    second derivatives up to 2.1e-2 of the largest value, where the float32 tolerance is
+    5e-5; benchmarks/ACCURACY.md, "Statistics over few values"), and the reference math
+    computes such statistics in float64. Inference, a symbolic count and a program being
+    exported keep ``backend``.
+
+    Example:
+        >>> x = torch.randn(4, 2, requires_grad=True)
+        >>> _few_values_backend("auto", 2, x), _few_values_backend("auto", 8, x)
+        ('reference', 'auto')
+    """
+    if (backend == "auto" and type(count) is int and count < _stats.FEW_VALUES
+            and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in tensors) and not deploying()):
+        return "reference"
+    return backend
+
+
 #: ``channels_last`` (``_3d``) when a tensor is laid out so, else ``None``.
 _channels_last_format = native.channels_last_format
 
@@ -305,6 +329,7 @@ def batch_norm(
             f"{shape_str(input)} (batch statistics of a single value are undefined; use "
             "a larger batch, or eval mode)"
         )
+    backend = _few_values_backend(backend, count, input, weight, bias)
     view = _channel_view(input)
     if input.numel() == 0:
         return _empty_result(input, affine_view(weight, view), affine_view(bias, view))
@@ -436,6 +461,7 @@ def instance_norm(
             "Expected more than 1 spatial element when training, got input size "
             f"{shape_str(input)}"
         )
+    backend = _few_values_backend(backend, count, input, weight, bias)
     if input.numel() == 0:
         return _empty_result(input, affine_view(weight, view), affine_view(bias, view))
     if _torch_kernels(backend, input):
@@ -551,6 +577,7 @@ def layer_norm(
     _check_trailing(input, shape, "layer_norm", weight=weight, bias=bias)
     if input.numel() == 0:
         return _empty_result(input, weight, bias)
+    backend = _few_values_backend(backend, math.prod(shape), input, weight, bias)
     if _use_triton(backend, input, lambda: tk.supports_layer_norm(input, shape, weight, bias),
                    "layer_norm"):
         if backend == "triton":  # (checks its arguments; under "auto" supports_* did)
@@ -611,6 +638,7 @@ def rms_norm(
         eps = _machine_eps(input.dtype)
     if input.numel() == 0:
         return _empty_result(input, weight, None)
+    backend = _few_values_backend(backend, math.prod(shape), input, weight)
     if _use_triton(backend, input, lambda: tk.supports_rms_norm(input, shape, weight),
                    "rms_norm"):
         if backend == "triton":  # (checks its arguments; under "auto" supports_* did)
@@ -688,6 +716,7 @@ def layer_norm2d(
     view = _channel_view(input)
     if input.numel() == 0:
         return _empty_result(input, affine_view(weight, view), affine_view(bias, view))
+    backend = _few_values_backend(backend, input.shape[1], input, weight, bias)
     if _torch_kernels(backend, input):
         return _layer_norm2d_accelerator(input, weight, bias, eps)
     if backend == "auto" and not compiling():
@@ -788,6 +817,8 @@ def group_norm(
             f"Expected more than 1 value per group, got input size {shape_str(input)} "
             f"with num_groups={num_groups}"
         )
+    backend = _few_values_backend(backend, channels // num_groups * math.prod(input.shape[2:]),
+                                  input, weight, bias)
     if input.numel() > 0:  # (torch's GPU kernels first: they need none of the views below)
         if _use_triton(backend, input, lambda: tk.supports_group_norm(
                 input, num_groups, weight, bias), "group_norm"):

@@ -569,7 +569,9 @@ def reference_normalize(
 
     Returns ``(y, mean, var)``: ``y`` in ``x``'s dtype, and the statistics in the
     compute dtype with keepdim shapes (``mean`` is zero and ``var`` is the mean
-    square when ``center`` is False, i.e. RMSNorm).
+    square when ``center`` is False, i.e. RMSNorm). Statistics over fewer than
+    :data:`normkit._stats.FEW_VALUES` values are computed (and differentiated) in float64,
+    where the device has it: their derivatives are what ``eps`` leaves of cancelling terms.
 
     Example:
         >>> x = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float64)
@@ -577,7 +579,10 @@ def reference_normalize(
         >>> y
         tensor([[-1.2247,  0.0000,  1.2247]], dtype=torch.float64)
     """
-    xc = _stats.upcast(x)
+    # (float64 over fewer than FEW_VALUES values per statistic: the derivatives there
+    # cancel to what eps leaves, _stats.reference_dtype)
+    wide = _stats.reference_dtype(x, _stats.reduced_count(x.shape, dims))
+    xc = x if x.dtype == wide else x.to(wide)
     if center:
         m = _stats.moments(xc, dims)
         centered = m.shifted - m.mean_lo
@@ -588,7 +593,8 @@ def reference_normalize(
         mean = torch.zeros_like(var)
     y = centered * torch.rsqrt(var + eps)
     y = _affine(y, weight, bias)
-    return y.to(x.dtype), mean.detach(), var.detach()
+    stats = _stats.compute_dtype(x.dtype)
+    return y.to(x.dtype), mean.detach().to(stats), var.detach().to(stats)
 
 
 class NormalizeFunction(torch.autograd.Function):

@@ -680,6 +680,9 @@ def _add_norm(x, residual, normalized_shape, weight, bias, eps, center, residual
     res_dtype = _residual_dtype(x, residual, residual_in_fp32)
     if eps is None:  # torch's RMSNorm rule, for the dtype of the normalized sum
         eps = F._machine_eps(res_dtype)
+    # (rows of fewer than FEW_VALUES values with a gradient: the reference, in float64)
+    count = _stats.reduced_count(shape, range(len(shape)))
+    backend = F._few_values_backend(backend, count, x, residual, weight, bias)
     if _reference_backend(backend) or x.numel() == 0:
         s = x.to(res_dtype) if residual is None else x.to(res_dtype) + residual.to(res_dtype)
         dims = tuple(range(s.dim() - len(shape), s.dim()))
