@@ -23,6 +23,10 @@ output, input-gradient and weight-gradient errors of torch.nn and normkit (relat
 largest reference value, as the tests measure gradients) by shape, parameter dtype and
 offset.
 
+``--few-values`` measures float32 first and second derivatives of layers whose statistics
+pool 1 to 4 values each (``normkit._stats.FEW_VALUES``), torch.nn beside normkit, against
+float64: there the input gradient is what ``eps`` leaves of cancelling terms.
+
 ``--second-order`` measures second derivatives (``create_graph=True``) of inference
 BatchNorm + activation on float16/bfloat16 input, as the differential fuzz takes them
 (``tests/test_dispatch_fuzz.py``): torch.nn's BatchNorm2d then the activation beside
@@ -33,7 +37,8 @@ the tests' 16-bit tolerance for second derivatives (``tests/oracle.py``).
 
 Run: ``python benchmarks/accuracy.py [--json FILE]``, ``python benchmarks/accuracy.py
 --counts``, ``python benchmarks/accuracy.py --backward-counts``, ``python
-benchmarks/accuracy.py --sixteen-bit`` or ``python benchmarks/accuracy.py --second-order``
+benchmarks/accuracy.py --sixteen-bit``, ``python benchmarks/accuracy.py --second-order``
+or ``python benchmarks/accuracy.py --few-values``
 """
 
 from __future__ import annotations
@@ -314,21 +319,33 @@ class _Act(nn.Module):
 SECOND_ORDER_CASES = 100
 
 
-def _second_derivatives(forward, params: list[torch.Tensor], x: torch.Tensor
-                        ) -> list[torch.Tensor]:
+def _derivatives(forward, params: list[torch.Tensor], x: torch.Tensor,
+                 upstream: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The fuzz's double backward: first derivatives of ``forward(x)`` against a fixed
     upstream gradient (``create_graph=True``), then the derivatives of their sum against
-    fixed directions, for the input and every parameter, in float64."""
+    fixed directions, for the input and every parameter; both in float64 (an unused
+    input's second derivative as zeros). The upstream gradient is rounded to ``upstream``,
+    the dtype under test, for the float64 reference too: both then differentiate the same
+    numbers (as the fuzz does)."""
     leaf = x.detach().requires_grad_()
     out = forward(leaf)
     gen = torch.Generator().manual_seed(11)
-    dy = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    dy = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(upstream).to(out.dtype)
     wrt = [leaf, *params]
     first = torch.autograd.grad(out, wrt, dy, create_graph=True)
     gen = torch.Generator().manual_seed(12)
     directions = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in wrt]
     total = sum((g.double() * v).sum() for g, v in zip(first, directions, strict=True))
-    return [h.double() for h in torch.autograd.grad(total, wrt)]
+    second = torch.autograd.grad(total, wrt, allow_unused=True)
+    return ([g.detach().double() for g in first],
+            [torch.zeros(t.shape, dtype=torch.float64) if h is None else h.double()
+             for h, t in zip(second, wrt, strict=True)])
+
+
+def _second_derivatives(forward, params: list[torch.Tensor], x: torch.Tensor,
+                        upstream: torch.dtype) -> list[torch.Tensor]:
+    """The second derivatives of :func:`_derivatives`."""
+    return _derivatives(forward, params, x, upstream)[1]
 
 
 def second_order(cases: int = SECOND_ORDER_CASES) -> list[dict]:
@@ -357,17 +374,21 @@ def second_order(cases: int = SECOND_ORDER_CASES) -> list[dict]:
                         ours.bias.copy_(torch.randn(8, generator=gen) * 0.3)
                         ours.running_mean.copy_(torch.randn(8, generator=gen) * 0.5)
                         ours.running_var.copy_(torch.rand(8, generator=gen) + 0.5)
+                    ours = ours.to(pdtype)  # (then copied: the reference gets the same
+                    # rounded parameters and statistics)
                     theirs, exact = nn.BatchNorm2d(8).eval(), nn.BatchNorm2d(8).eval()
+                    theirs, exact = theirs.to(pdtype), exact.double()
                     theirs.load_state_dict(ours.state_dict())
                     exact.load_state_dict(ours.state_dict())
-                    ours, theirs, exact = ours.to(pdtype), theirs.to(pdtype), exact.double()
                     reference = _second_derivatives(nn.Sequential(exact, _Act(act_fn)),
-                                                    [exact.weight, exact.bias], x.double())
+                                                    [exact.weight, exact.bias], x.double(),
+                                                    dtype)
                     terms = (1, n * size * size, n * size * size)
                     for who, forward, module in (
                             ("torch", nn.Sequential(theirs, _Act(act_fn)), theirs),
                             ("normkit", ours, ours)):
-                        got = _second_derivatives(forward, [module.weight, module.bias], x)
+                        got = _second_derivatives(forward, [module.weight, module.bias], x,
+                                                  dtype)
                         errors[who].append(max(
                             float((h - h64).abs().max())
                             / max(1.0, float(h64.abs().max()), t ** 0.5)
@@ -381,6 +402,89 @@ def second_order(cases: int = SECOND_ORDER_CASES) -> list[dict]:
                     row[who + "_max"] = values[-1]
                 rows.append(row)
     return rows
+
+
+#: Layers whose statistics pool few values each in ``--few-values``: (row label, values
+#: per statistic, normkit module, the same layer from torch.nn, input shape).
+FEW_VALUES_LAYERS = (
+    ("LayerNorm(2)", 2, lambda: normkit.LayerNorm(2), lambda: nn.LayerNorm(2), (6, 2)),
+    ("LayerNorm(3)", 3, lambda: normkit.LayerNorm(3), lambda: nn.LayerNorm(3), (6, 3)),
+    ("LayerNorm(4)", 4, lambda: normkit.LayerNorm(4), lambda: nn.LayerNorm(4), (6, 4)),
+    ("RMSNorm(1)", 1, lambda: normkit.RMSNorm(1, eps=1e-6),
+     lambda: nn.RMSNorm(1, eps=1e-6), (6, 1)),
+    ("RMSNorm(2)", 2, lambda: normkit.RMSNorm(2, eps=1e-6),
+     lambda: nn.RMSNorm(2, eps=1e-6), (6, 2)),
+    ("BatchNorm2d, 2x1x1", 2, lambda: normkit.BatchNorm2d(8), lambda: nn.BatchNorm2d(8),
+     (2, 8, 1, 1)),
+    ("BatchNorm2d, 3x1x1", 3, lambda: normkit.BatchNorm2d(8), lambda: nn.BatchNorm2d(8),
+     (3, 8, 1, 1)),
+    ("BatchNorm2d, 4x1x1", 4, lambda: normkit.BatchNorm2d(8), lambda: nn.BatchNorm2d(8),
+     (4, 8, 1, 1)),
+    ("GroupNorm(8, 8), 1x2", 2, lambda: normkit.GroupNorm(8, 8),
+     lambda: nn.GroupNorm(8, 8), (3, 8, 1, 2)),
+    ("InstanceNorm1d, 2", 2, lambda: normkit.InstanceNorm1d(8, affine=True),
+     lambda: nn.InstanceNorm1d(8, affine=True), (3, 8, 2)),
+    ("LayerNorm2d(2)", 2, lambda: normkit.LayerNorm2d(2), lambda: _PermutedLayerNorm(2),
+     (3, 2, 5, 5)),
+)
+
+
+def few_values(cases: int = SECOND_ORDER_CASES) -> list[dict]:
+    """First and second derivatives (``create_graph=True``) of layers whose statistics
+    pool 1 to 4 values each, float32, torch.nn beside normkit, against torch.nn in float64
+    on the same input and parameters: each case's worst of input and parameters relative
+    to the largest reference magnitude (at least 1); the median and maximum over ``cases``
+    random cases (input of standard deviation 2 at offset 0 or 3, weights 1 + 0.5 N(0, 1),
+    biases 0.3 N(0, 1))."""
+    rows = []
+    for label, count, make_ours, make_torch, shape in FEW_VALUES_LAYERS:
+        errors = {(who, order): [] for who in ("torch", "normkit") for order in (1, 2)}
+        for seed in range(cases):
+            gen = torch.Generator().manual_seed(seed)
+            x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2
+                 + 3.0 * (seed % 2)).float()
+            ours = make_ours()
+            with torch.no_grad():
+                for name, p in ours.named_parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "bias" in name
+                                                                     else 0.5)
+                            + (0.0 if "bias" in name else 1.0))
+            theirs, exact = make_torch(), make_torch()
+            with torch.no_grad():  # (by position: LayerNorm2d's are named otherwise)
+                for p, q, mine in zip(theirs.parameters(), exact.parameters(),
+                                      ours.parameters(), strict=True):
+                    p.copy_(mine)
+                    q.copy_(mine)
+            exact = exact.double()
+            reference = _derivatives(exact, list(exact.parameters()), x.double(),
+                                     torch.float32)
+            for who, module in (("torch", theirs), ("normkit", ours)):
+                got = _derivatives(module, list(module.parameters()), x, torch.float32)
+                for order in (1, 2):
+                    errors[who, order].append(max(
+                        float((h - h64).abs().max()) / max(1.0, float(h64.abs().max()))
+                        for h, h64 in zip(got[order - 1], reference[order - 1],
+                                          strict=True)))
+        row = {"layer": label, "values": count, "cases": cases}
+        for (who, order), values in errors.items():
+            values.sort()
+            row[f"{who}_{order}_median"] = values[len(values) // 2]
+            row[f"{who}_{order}_max"] = values[-1]
+        rows.append(row)
+    return rows
+
+
+def few_values_markdown(rows: list[dict]) -> str:
+    return _table([("layer", "layer", ""), ("values per statistic", "values", "d"),
+                   ("cases", "cases", "d"),
+                   ("torch 1st median", "torch_1_median", ".1e"),
+                   ("torch 1st max", "torch_1_max", ".1e"),
+                   ("normkit 1st median", "normkit_1_median", ".1e"),
+                   ("normkit 1st max", "normkit_1_max", ".1e"),
+                   ("torch 2nd median", "torch_2_median", ".1e"),
+                   ("torch 2nd max", "torch_2_max", ".1e"),
+                   ("normkit 2nd median", "normkit_2_median", ".1e"),
+                   ("normkit 2nd max", "normkit_2_max", ".1e")], rows)
 
 
 def second_order_markdown(rows: list[dict]) -> str:
@@ -413,9 +517,17 @@ def main() -> None:
                         help="float16/bfloat16 input: torch.nn and normkit against float64")
     parser.add_argument("--second-order", action="store_true",
                         help="16-bit second derivatives of inference BatchNorm + activation")
+    parser.add_argument("--few-values", action="store_true",
+                        help="float32 derivatives of statistics over 1 to 4 values each")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.second_order:
+    if args.few_values:
+        _emit(few_values(), few_values_markdown, args.json,
+              f"torch {torch.__version__}, float32, first and second derivatives of input "
+              "and parameters (each case's worst) relative to the largest float64 "
+              "magnitude (at least 1), 1 thread; the float32 gradient tolerance is 5e-5 "
+              "(tests/oracle.py), the Triton fuzz's 1e-5")
+    elif args.second_order:
         _emit(second_order(), second_order_markdown, args.json,
               f"torch {torch.__version__}, inference BatchNorm2d + activation, second "
               "derivatives of input, weight and bias (each case's worst) relative to the "
