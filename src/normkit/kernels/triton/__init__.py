@@ -21,7 +21,9 @@ two-pass pair so data at a large offset keep their digits, the variance is never
 groups of any width are processed in chunks, and weight/bias gradients and BatchNorm
 statistics are reduced without atomics (per-program partials summed in a fixed order),
 so results are bitwise reproducible. A backward called with ``create_graph=True``
-differentiates normkit's reference, so higher-order gradients are exact.
+differentiates normkit's reference, so higher-order gradients are exact; so does every
+backward of statistics over fewer than four values each, in float64
+(``normkit._stats.FEW_VALUES``: their gradient is what ``eps`` leaves of cancelling terms).
 
 Where it runs: CUDA tensors (compiled by Triton). CPU tensors only through Triton's
 interpreter, which must be switched on (``TRITON_INTERPRET=1``) before ``triton`` is

@@ -5,7 +5,8 @@ Each family has a forward launcher, a backward launcher and a
 residual stream), the affine parameters and the float32 statistics
 ``(mean_hi, mean_lo, rstd)``. A backward that must itself be differentiable
 (``create_graph=True``) differentiates normkit's reference instead, as the CPU path
-does, so higher-order gradients stay exact.
+does, so higher-order gradients stay exact; so does the backward of statistics over fewer
+than ``normkit._stats.FEW_VALUES`` values each, in float64 (:func:`_few_values`).
 
 Tensors reach the kernels as views: rows ``(M, N)`` with unit column stride for
 LayerNorm/RMSNorm, ``(N, C, S)`` with any strides for GroupNorm/BatchNorm (NCHW, NHWC
@@ -24,6 +25,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import Tensor
 
+from ... import _stats
 from ..native import backward_by_reference
 from . import _kernels as K
 
@@ -245,8 +247,11 @@ def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | N
 
 def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
                         view: tuple[int, ...], weight: Tensor | None, bias: Tensor | None,
-                        dy: Tensor, act: int, needs: tuple[bool, bool, bool]):
-    """``(dsrc, dweight, dbias)``, float32, differentiable under ``create_graph=True``
+                        dy: Tensor, act: int, needs: tuple[bool, bool, bool],
+                        dtype: torch.dtype = torch.float32):
+    """``(dsrc, dweight, dbias)`` in ``dtype`` (float32, or float64 for statistics over
+    few values, :func:`_few_values`: there the upstream gradient's rounding to float32
+    would be amplified as the terms cancel), differentiable under ``create_graph=True``
     (grad mode on), plain ones for a batched gradient.
 
     ``normalize(src)`` is normkit's differentiable reference for ``xhat``; the affine
@@ -258,11 +263,11 @@ def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
     need_src, need_w, need_b = needs
     graph = torch.is_grad_enabled()  # (off for a batched gradient: plain gradients)
     with torch.enable_grad():
-        xhat = normalize(src.float())
+        xhat = normalize(src.to(dtype))
     with torch.set_grad_enabled(graph):
-        w = None if weight is None else weight.float().view(view)
-        b = None if bias is None else bias.float().view(view)
-        dz = dy.float()
+        w = None if weight is None else weight.to(dtype).view(view)
+        b = None if bias is None else bias.to(dtype).view(view)
+        dz = dy.to(dtype)
         if act == 1:  # SiLU' at z = xhat * w + b
             z = xhat if w is None else xhat * w
             z = z if b is None else z + b
@@ -275,6 +280,18 @@ def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
             dsrc, = torch.autograd.grad(xhat, [src], dz if w is None else dz * w,
                                         create_graph=graph)
     return dsrc, dw, db
+
+
+def _few_values(count: int) -> bool:
+    """Whether statistics over ``count`` values each take the reference's backward at
+    first order too: their gradient is what ``eps`` leaves of cancelling terms, which the
+    kernels' float32 arithmetic loses digits of (GroupNorm over two values 1.3e-5 off) and
+    the reference computes in float64 (:data:`normkit._stats.FEW_VALUES`)."""
+    return type(count) is int and count < _stats.FEW_VALUES
+
+
+#: The dtype :func:`_reference_backward` computes in, by :func:`_few_values`.
+_WIDE = {False: torch.float32, True: torch.float64}
 
 
 def _rows_forward_any(x, residual, weight, bias, n, eps, center, block):
@@ -314,8 +331,9 @@ class RowNormFunction(torch.autograd.Function):
         n, ndim, eps, center, block, x_dtype, r_dtype = ctx.meta
         need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
         need_w, need_b = need_w and weight is not None, need_b and bias is not None
-        if backward_by_reference(dy) or backward_by_reference(dh):  # create_graph, batched
-            from ...norms._core import reference_normalize
+        few = _few_values(n)
+        if backward_by_reference(dy) or backward_by_reference(dh) or few:  # (and create_graph,
+            from ...norms._core import reference_normalize  # batched gradients)
 
             dims = tuple(range(src.dim() - ndim, src.dim()))
             dsrc = dw = db = None
@@ -323,9 +341,9 @@ class RowNormFunction(torch.autograd.Function):
                 dsrc, dw, db = _reference_backward(
                     src, lambda s: reference_normalize(s, dims, eps=eps, center=center)[0],
                     src.shape[src.dim() - ndim:], weight, bias, dy, 0,
-                    (need_x or need_r, need_w, need_b))
+                    (need_x or need_r, need_w, need_b), _WIDE[few])
             if dh is not None:  # (the residual output passes its gradient straight on)
-                dsrc = dh if dsrc is None else dsrc + dh
+                dsrc = dh if dsrc is None else dsrc + dh.to(dsrc.dtype)
             return (None if dsrc is None or not need_x else dsrc.to(x_dtype),
                     None if dsrc is None or not need_r else dsrc.to(r_dtype),
                     None if dw is None else dw.to(weight.dtype),
@@ -455,10 +473,11 @@ class GroupNormFunction(torch.autograd.Function):
         x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
         groups, eps, act, block = ctx.meta
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if backward_by_reference(dy):  # create_graph=True, batched gradients
+        few = _few_values(x.shape[1] // groups * x.shape[2:].numel())
+        if backward_by_reference(dy) or few:  # (and create_graph=True, batched gradients)
             grads = _reference_backward(x, lambda s: _group_xhat(s, groups, eps),
                                         _channel_shape(x), weight, bias, dy, act,
-                                        (need_x, need_w, need_b))
+                                        (need_x, need_w, need_b), _WIDE[few])
             return (*_cast_like(grads, (x, weight, bias)), None, None, None, None)
         if torch.compiler.is_compiling():
             dx, dw, db = OPS.triton_gn_bwd(x, dy, weight, bias, mean_hi, mean_lo, rstd, groups,
@@ -594,13 +613,14 @@ class BatchNormTrainFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dmean, _dvar):
         x, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
-        if backward_by_reference(dy):  # create_graph=True, batched gradients
+        few = _few_values(x.shape[0] * x.shape[2:].numel())
+        if backward_by_reference(dy) or few:  # (and create_graph=True, batched gradients)
             from ...norms._core import reference_normalize
 
             dims = (0, *range(2, x.dim()))
             grads = _reference_backward(
                 x, lambda s: reference_normalize(s, dims, eps=ctx.eps)[0], _channel_shape(x),
-                weight, bias, dy, 0, ctx.needs_input_grad[:3])
+                weight, bias, dy, 0, ctx.needs_input_grad[:3], _WIDE[few])
             return (*_cast_like(grads, (x, weight, bias)), None, None)
         return (*_bn_grads(ctx, x, dy, weight, bias, mean_hi, mean_lo, rstd, True), None, None)
 
