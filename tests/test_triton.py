@@ -838,13 +838,21 @@ def test_a_fuzz_failure_on_torch_draws_replays():
     :func:`_replayable`; without it Hypothesis cannot reproduce it and says it is flaky."""
     def body(op, data):
         data.draw(st.integers(0, 10**6))
-        assert float(torch.rand(())) < 0.8, "a torch draw above 0.8"
+        assert float(torch.rand(())) < 0.99, "a torch draw above 0.99"
 
     def run(wrap):
+        # (Hypothesis derandomized and torch's generator seeded, whatever ran before or
+        # the profile; one draw in a hundred fails, so a failure is found within the
+        # examples and a replay of the unwrapped body fails again about once in a hundred:
+        # at one in five, as first written, it did under HYPOTHESIS_PROFILE=explore, and
+        # Hypothesis then reports the error, not Flaky)
         test = given(op=st.just("bn"), data=st.data())(wrap(body))
-        settings(max_examples=200, deadline=None, database=None)(test)()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            settings(max_examples=2000, deadline=None, database=None,
+                     derandomize=True)(test)()
 
-    with pytest.raises(AssertionError, match="a torch draw above 0.8"):
+    with pytest.raises(AssertionError, match="a torch draw above 0.99"):
         run(_replayable)
     with pytest.raises(hypothesis.errors.Flaky):
         run(lambda f: f)
