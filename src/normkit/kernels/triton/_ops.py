@@ -332,8 +332,9 @@ class RowNormFunction(torch.autograd.Function):
         need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
         need_w, need_b = need_w and weight is not None, need_b and bias is not None
         few = _few_values(n)
-        if backward_by_reference(dy) or backward_by_reference(dh) or few:  # (and create_graph,
-            from ...norms._core import reference_normalize  # batched gradients)
+        # (the reference: create_graph=True, batched gradients, statistics over few values)
+        if backward_by_reference(dy) or backward_by_reference(dh) or few:
+            from ...norms._core import reference_normalize
 
             dims = tuple(range(src.dim() - ndim, src.dim()))
             dsrc = dw = db = None
