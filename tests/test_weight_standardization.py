@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from oracle import GRAD_TOL
 from torch import nn
 
 import normkit
@@ -97,6 +98,34 @@ def test_gradients_of_weight_and_gain_pass_gradcheck():
     assert torch.autograd.gradgradcheck(lambda g, w: ws(g, w), (g, w))
     plain = WeightStandardization(dim=None)
     assert torch.autograd.gradcheck(plain, (w,))
+
+
+@pytest.mark.parametrize("fan", [2, 3])
+def test_gradients_of_slices_of_few_values_hold_float32_tolerance(fan):
+    """A slice of two or three values (a fan-in of 2: ``Linear(2, n)``, a two-tap
+    depthwise kernel): its gradient is what ``eps`` leaves of cancelling terms, 1.4e-4 off
+    in float32 for fan-in 2 (relative to the largest value) before normkit took float64
+    there; first and second derivatives now within the float32 gradient tolerance of a
+    float64 oracle written here."""
+    def standardized64(w):  # (numpy's formula, in torch for autograd)
+        centered = w - w.mean(1, keepdim=True)
+        return centered / (centered.square().mean(1, keepdim=True) + WS_EPS).sqrt()
+
+    gen = _gen(5)
+    for _ in range(50):
+        v = (torch.randn(8, fan, generator=gen, dtype=torch.float64) * 0.1).float()
+        dy = torch.randn(8, fan, generator=gen)
+        direction = torch.randn(8, fan, generator=gen, dtype=torch.float64)
+        results = []
+        for dtype, fn in ((torch.float32, WeightStandardization()),
+                          (torch.float64, standardized64)):
+            w = v.to(dtype).requires_grad_()
+            (first,) = torch.autograd.grad(fn(w), w, dy.to(dtype), create_graph=True)
+            (second,) = torch.autograd.grad((first.double() * direction).sum(), w)
+            results.append((first.detach().double(), second.double()))
+        for got, want in zip(*results, strict=True):
+            scale = max(1.0, float(want.abs().max()))
+            assert float((got - want).abs().max()) <= GRAD_TOL[torch.float32] * scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -451,7 +451,9 @@ def reference_weight_standardization(weight: Tensor, dim: int | None = 0, eps: f
 
     with the mean and biased variance over every dim but ``dim`` (one statistic per
     output unit for ``dim=0``), or over the whole tensor for ``dim=None``, computed in
-    float32 (float64 for float64 weights).
+    float32 (float64 for float64 weights, and for slices of fewer than
+    :data:`normkit._stats.FEW_VALUES` values, whose gradient is what ``eps`` leaves of
+    cancelling terms).
 
     Args:
         weight: any shape.
@@ -466,9 +468,12 @@ def reference_weight_standardization(weight: Tensor, dim: int | None = 0, eps: f
         tensor([-1.,  1.])
     """
     dims, keepdim = _reduction(weight.dim(), dim)
-    w = _stats.upcast(weight)
     if not dims:
-        dims = tuple(range(w.dim()))  # (a slice of one value: itself)
+        dims = tuple(range(weight.dim()))  # (a slice of one value: itself)
+    # (float64 for slices of fewer than _stats.FEW_VALUES values, e.g. a fan-in of 2:
+    # their gradient is what eps leaves of cancelling terms, 1.4e-4 off in float32)
+    wide = _stats.reference_dtype(weight, _stats.reduced_count(weight.shape, dims))
+    w = weight if weight.dtype == wide else weight.to(wide)
     # two passes (mean, then the centered values' mean square), the same ops with and
     # without autograd: _stats.moments picks another reduction without it, which would
     # make the weight a training step uses differ by an ulp from the one
