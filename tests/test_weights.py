@@ -155,6 +155,31 @@ def test_gradcheck_one_dimensional_weight():
     torch.testing.assert_close(WeightNorm(0)(g, v), g * v.sign())
 
 
+@pytest.mark.parametrize("shape", [(8, 1), (8,)], ids=["Linear(1, 8)", "1-D"])
+def test_slices_of_one_value_have_a_zero_direction_gradient(shape):
+    """``w = g * v / |v| = g * sign(v)`` for a slice of one value (``Linear(1, n)``, a 1-D
+    weight): ``v``'s gradient is zero at both orders. In float32 it was rounding of
+    ``g * dw / |v|``, 2.4e-4 at ``|v| ~ 0.1`` and second derivatives up to 16; such slices
+    are now computed in float64 (within float32's rounding of zero)."""
+    gen = _gen(4)
+    for _ in range(50):
+        v = (torch.randn(shape, generator=gen, dtype=torch.float64) * 0.1).float()
+        v.requires_grad_()
+        g = (torch.rand(shape, generator=gen) + 0.5).requires_grad_()
+        dw = torch.randn(shape, generator=gen)
+        w = WeightNorm(0)(g, v)
+        torch.testing.assert_close(w, g * v.sign())
+        dv, dg = torch.autograd.grad(w, (v, g), dw, create_graph=True)
+        assert float(dv.detach().abs().max()) <= 1e-6, float(dv.detach().abs().max())
+        torch.testing.assert_close(dg, dw * v.sign())
+        direction = torch.randn(shape, generator=gen)
+        (h,) = torch.autograd.grad((dv * direction).sum() + (dg * direction).sum(), v,
+                                   allow_unused=True)
+        assert h is None or float(h.abs().max()) <= 1e-6, float(h.abs().max())
+        (first,) = torch.autograd.grad(WeightNorm(0)(g, v), v, dw)  # (no graph: by hand)
+        assert float(first.abs().max()) <= 1e-6, float(first.abs().max())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_low_precision_against_float64_reference(dtype):
     v = torch.randn(16, 300, generator=_gen(), dtype=torch.float64) * 200  # |v|^2 > fp16 max
