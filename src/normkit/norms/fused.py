@@ -74,8 +74,12 @@ the stored output costs about ``u * (|xhat| + |beta/gamma|)``, ``u`` the output'
 roundoff, so ``R`` bounds the extra error by ``R u``). For the other channels --
 e.g. ``gamma`` initialised to zero, as in zero-init residual blocks -- the normalized
 input of just those channels is saved too. Gradients therefore match the reference
-for every ``gamma``; the memory saving holds for the recoverable channels. ELU's
-inverse ``log1p(z / alpha)`` recovers ``y < 0`` with an absolute error of about
+for every ``gamma``; the memory saving holds for the recoverable channels. (Below four
+values per channel, a batch of 2-3 without spatial dims, no channel is: the gradient is
+what ``eps`` leaves of cancelling terms, ``normkit._stats.FEW_VALUES``, and ``xhat``
+recovered from the output lacks the digits for it, 1.2e-4 off at two values. Such calls
+with a gradient run as ``memory="standard"`` does, in float64, and overwrite nothing.)
+ELU's inverse ``log1p(z / alpha)`` recovers ``y < 0`` with an absolute error of about
 ``u * exp(-y)`` (1e-4 at ``y = -7`` in float32, 0.2 at ``y = -4`` in bfloat16), so
 strongly negative pre-activations get less accurate gradients -- inherent to storing
 only ELU's output (inplace_abn has the same limit); LeakyReLU and identity are exact.
@@ -1304,11 +1308,16 @@ def batch_norm_act(
     # without a gradient (statistics recalibration under no_grad, e.g. SWA's update_bn)
     # the node has nothing to save: the norm, then the activation in place on its fresh
     # output -- unless In-Place ABN is to overwrite an intermediate input, as documented
-    node = (torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                            for t in (input, weight, bias))
-            ) or (memory == "inplace" and _can_overwrite(input))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (input, weight, bias))
+    node = grad or (memory == "inplace" and _can_overwrite(input))
     fused = (training and not reference and input.numel() > 0 and count > 1 and eps > 0
              and node and (memory == "inplace" or input.numel() >= FUSED_ACT_MIN_ELEMENTS))
+    if fused and memory == "inplace" and grad and type(count) is int and (
+            count < _stats.FEW_VALUES):
+        # (fewer than FEW_VALUES values per channel: the output cannot give xhat back to
+        # the digits the gradient needs; the standard route, in float64 there)
+        fused = False
     if not fused:  # (F.batch_norm raises the errors: one value per channel, eps <= 0)
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                          eps, unbiased_running_var=unbiased_running_var, backend=backend)
