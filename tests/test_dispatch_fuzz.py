@@ -252,7 +252,7 @@ def _forward_both(module, inputs, reference, params64):
     leaves64 = [t.detach().double().requires_grad_() for t in inputs]
     refs = reference(*leaves64, params64, outs[0].detach())
     refs = refs if isinstance(refs, tuple) else (refs,)
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(GRAD_SEED)
     grads = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype).double()
              for o in outs]
     return leaves, outs, leaves64, refs, grads
@@ -284,7 +284,7 @@ def _run_second_order(module, inputs, reference, params64, dtype, what, twin=Non
     params = [p for _, p in module.named_parameters()]
     leaves, outs, leaves64, refs, grads = _forward_both(module, inputs, reference, params64)
     wrt, wrt64 = leaves + params, leaves64 + [params64[name] for name in names]
-    gen = torch.Generator().manual_seed(12)
+    gen = torch.Generator().manual_seed(DIRECTION_SEED)
     directions = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in wrt64]
     first, second = _second_derivatives(outs, wrt, grads, directions)
     first64, second64 = _second_derivatives(refs, wrt64, grads, directions)
@@ -385,6 +385,14 @@ DTYPES = st.sampled_from([torch.float32] * 6 + [torch.float64, torch.bfloat16, t
 
 
 #: What every test draws besides its batch.
+#: Seeds of the upstream gradients' and the second derivatives' directions' generators:
+#: outside the data seeds' range (``COMMON_DRAWS``), so that neither is the input's own
+#: noise. With 11 and 12, data seed 11 made the upstream gradient equal the input (an
+#: explore run drew it): the input gradient is then what eps leaves of cancelling terms
+#: (max 6e-5), and torch's float16 channels-last BatchNorm backward, which normkit runs
+#: there, was 3.5e-3 to 5.1e-3 off it, past the 5e-3 tolerance.
+GRAD_SEED, DIRECTION_SEED = 2**20 + 11, 2**20 + 12
+
 COMMON_DRAWS = {"ratio": st.sampled_from(RATIOS), "dtype": DTYPES,
                 "n_threads": st.sampled_from([1, 2]), "fast_everywhere": st.booleans(),
                 "backend": st.sampled_from(["auto"] * 6 + ["eager", "reference"]),
