@@ -173,22 +173,28 @@ def channels_last_backward_counts(counts=BACKWARD_COUNTS, ratios=BACKWARD_RATIOS
     (``normkit.kernels.channels.moments``): torch's backward kernel, which sums
     sequentially along the positions, against the slice-sums engine's folded sums; over
     ``seeds`` inputs shifted by each ``ratio`` (``|mean| / std``) and upstream gradients
-    of mean 0 and 1."""
+    of mean 0 and 1; and, in columns of their own (``*_dx_collinear``), ``dx`` for an
+    upstream gradient equal to the input (``dy = x``: the exact ``dx`` is what ``eps``
+    leaves, and ``sum dy * (x - mean)`` does not cancel, so a sequential sum's error
+    shows in full)."""
     from normkit.kernels import channels, native
 
     rows = []
     for count in counts:
         shape = (max(count // 4096, 1), 16, 64, 64)
         c = shape[1]
-        worst = {f"{way}_{g}": 0.0 for way in ("torch", "normkit") for g in ("dx", "dw", "db")}
+        worst = {f"{way}_{g}": 0.0 for way in ("torch", "normkit")
+                 for g in ("dx", "dw", "db", "dx_collinear")}
         for seed in range(seeds):
             for ratio in ratios:
-                for dy_mean in (0.0, 1.0):
+                for dy_mean in (0.0, 1.0, None):  # (None: dy = x)
                     g = torch.Generator().manual_seed(seed)
                     x = (torch.randn(shape, generator=g) + ratio).contiguous(
                         memory_format=torch.channels_last)
-                    dy = (torch.randn(shape, generator=g) + dy_mean).contiguous(
+                    dy = (torch.randn(shape, generator=g) + (dy_mean or 0.0)).contiguous(
                         memory_format=torch.channels_last)
+                    if dy_mean is None:
+                        dy = x.clone()
                     w = torch.rand(c, generator=g) + 0.5
                     leaves = [x.double().requires_grad_(), w.double().requires_grad_(),
                               torch.zeros(c, dtype=torch.float64, requires_grad=True)]
@@ -211,7 +217,9 @@ def channels_last_backward_counts(counts=BACKWARD_COUNTS, ratios=BACKWARD_RATIOS
                     for way, grads in (("torch", kernel), ("normkit", engine)):
                         for name, got, ref_grad in zip(("dx", "dw", "db"), grads, want,
                                                        strict=True):
-                            key = f"{way}_{name}"
+                            if dy_mean is None and name != "dx":
+                                continue
+                            key = f"{way}_{name}" + ("_collinear" if dy_mean is None else "")
                             worst[key] = max(worst[key], _grad_error(got, ref_grad))
         rows.append({"count": shape[0] * 4096, **worst})
     return rows
@@ -296,7 +304,8 @@ def sixteen_bit_markdown(rows: list[dict]) -> str:
 def backward_counts_markdown(rows: list[dict]) -> str:
     return _table([("values per channel", "count", "d")]
                   + [(f"{who} {name}", f"{who}_{key}", ".1e") for who in ("torch", "normkit")
-                     for name, key in (("dx", "dx"), ("dweight", "dw"), ("dbias", "db"))],
+                     for name, key in (("dx", "dx"), ("dweight", "dw"), ("dbias", "db"),
+                                       ("dx, dy = x", "dx_collinear"))],
                   rows)
 
 
@@ -543,8 +552,8 @@ def main() -> None:
               f"torch {torch.__version__}, channels-last BatchNorm2d backward (training, "
               "affine) from accurate statistics, N x 16 x 64 x 64 float32; max gradient "
               "error relative to the largest reference magnitude (at least 1), over 3 "
-              "seeds, |mean| / std 0, 1, 1.9 and upstream gradients of mean 0 and 1, "
-              "1 thread")
+              "seeds, |mean| / std 0, 1, 1.9 and upstream gradients of mean 0 and 1 (and "
+              "dy = x in its columns), 1 thread")
     elif args.counts:
         _emit(channels_last_counts(), counts_markdown, args.json,
               f"torch {torch.__version__}, channels-last BatchNorm2d (training, no affine), "

@@ -677,3 +677,21 @@ def test_batch_norm_backward_sums_of_small_samples_in_one_call(monkeypatch, bloc
     torch.testing.assert_close(s1.double().sum(0), want1, rtol=1e-6, atol=1e-4)
     torch.testing.assert_close(sx.double().sum(0), wantx, rtol=1e-6, atol=1e-4)
 
+
+
+def test_channels_last_batch_norm_backward_with_an_upstream_gradient_along_the_input():
+    """``dy = x`` (a loss on the normalized output itself, at its extreme): the exact input
+    gradient is what ``eps`` leaves, and ``sum dy * (x - mean)`` does not cancel, so
+    torch's backward kernel, which sums sequentially, shows its error in full -- 1.2e-4
+    at 131072 values per channel, where normkit ran it until 2026-12-04 (tolerance 5e-5).
+    The engine's sums serve past 16384 values (CHANNELS_LAST_BACKWARD_MAX_COUNT)."""
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        x0 = torch.randn(32, 4, 64, 64, generator=gen).contiguous(
+            memory_format=torch.channels_last)
+        x = x0.clone().requires_grad_()
+        (dx,) = torch.autograd.grad(normkit.BatchNorm2d(4)(x), x, x0)
+        x64 = x0.double().requires_grad_()
+        (want,) = torch.autograd.grad(torch.nn.BatchNorm2d(4).double()(x64), x64,
+                                      x0.double())
+        assert_grad_close(dx, want, torch.float32, f"dx, seed {seed}")

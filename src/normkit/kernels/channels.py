@@ -734,8 +734,9 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
         # FOLD_ROWS_BATCH rows, not one per sample (per-sample calls cost more than they
         # read there; column_sums.py --folds, ms per call, per sample -> whole, one / two
         # threads: 64x64x16x16 1.29 -> 0.60 / 1.34 -> 0.40, 16x64x32x32 0.40 -> 0.38 /
-        # 0.40 -> 0.25; column_sums.py --backward-sums, past the 131072 values per channel
-        # where this engine takes BatchNorm's backward, see WHOLE_FOLD_MIN_THREADS); with
+        # 0.40 -> 0.25; column_sums.py --backward-sums, measured past 131072 values per
+        # channel, where this engine took BatchNorm's backward then, see
+        # WHOLE_FOLD_MIN_THREADS); with
         # one thread larger samples keep the per-sample folds, as the forward does
         sums = _whole_fold_sums(cols_dy, cols_x, mean)
         if sums is not None:
@@ -789,10 +790,10 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
     if x.is_contiguous() and pool.kind != "group":
         return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
     if pool.kind == "batch" and pool.count(x) <= CHANNELS_LAST_BACKWARD_MAX_COUNT:
-        # channels-last up to 131072 values per channel: torch's kernel, one call (its
-        # sequential sums stay well within the gradient tolerance there, and it is
-        # 1.3-2x faster than the sums and two passes below:
-        # native.CHANNELS_LAST_BACKWARD_MAX_COUNT)
+        # channels-last up to 16384 values per channel: torch's kernel, one call (its
+        # sequential sums stay within the gradient tolerance there, an upstream gradient
+        # along the input included, and it is 1.3-2x faster than the sums and two passes
+        # below: native.CHANNELS_LAST_BACKWARD_MAX_COUNT)
         return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
     s1, sx = _backward_sums(dy, x, mean, pool)
     if skip is not None:
