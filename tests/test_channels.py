@@ -678,7 +678,6 @@ def test_batch_norm_backward_sums_of_small_samples_in_one_call(monkeypatch, bloc
     torch.testing.assert_close(sx.double().sum(0), wantx, rtol=1e-6, atol=1e-4)
 
 
-
 def test_channels_last_batch_norm_backward_with_an_upstream_gradient_along_the_input():
     """``dy = x`` (a loss on the normalized output itself, at its extreme): the exact input
     gradient is what ``eps`` leaves, and ``sum dy * (x - mean)`` does not cancel, so

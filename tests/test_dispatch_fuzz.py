@@ -384,7 +384,6 @@ def _set_backend(module) -> None:
 DTYPES = st.sampled_from([torch.float32] * 6 + [torch.float64, torch.bfloat16, torch.float16])
 
 
-#: What every test draws besides its batch.
 #: Seeds of the upstream gradients' and the second derivatives' directions' generators:
 #: outside the data seeds' range (``COMMON_DRAWS``), so that neither is the input's own
 #: noise. With 11 and 12, data seed 11 made the upstream gradient equal the input (an
@@ -394,6 +393,7 @@ DTYPES = st.sampled_from([torch.float32] * 6 + [torch.float64, torch.bfloat16, t
 #: (normkit now hands the kernel the input's layout: 1.8e-5, ``native.batch_norm_kernel``).
 GRAD_SEED, DIRECTION_SEED = 2**20 + 11, 2**20 + 12
 
+#: What every test draws besides its batch.
 COMMON_DRAWS = {"ratio": st.sampled_from(RATIOS), "dtype": DTYPES,
                 "n_threads": st.sampled_from([1, 2]), "fast_everywhere": st.booleans(),
                 "backend": st.sampled_from(["auto"] * 6 + ["eager", "reference"]),
