@@ -44,6 +44,7 @@ or ``python benchmarks/accuracy.py --few-values``
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 
 import torch
@@ -223,6 +224,71 @@ def channels_last_backward_counts(counts=BACKWARD_COUNTS, ratios=BACKWARD_RATIOS
                             worst[key] = max(worst[key], _grad_error(got, ref_grad))
         rows.append({"count": shape[0] * 4096, **worst})
     return rows
+
+
+#: ``--long-slices``: square positions per slice (side), offsets (|mean| / std), seeds.
+LONG_SIDES = (256, 512, 1024)
+LONG_RATIOS = (0.0, 1.9)
+LONG_SEEDS = 2
+
+
+def _long_slice_layers(c: int):
+    """``(label, normkit module, torch.nn module)`` for :func:`long_slices`."""
+    from normkit.norms.fused import BatchNormAct2d, GroupNormAct
+
+    return (("BatchNorm2d", normkit.BatchNorm2d(c), nn.BatchNorm2d(c)),
+            ("InstanceNorm2d (affine)", normkit.InstanceNorm2d(c, affine=True),
+             nn.InstanceNorm2d(c, affine=True)),
+            ("GroupNorm (1 group)", normkit.GroupNorm(1, c), nn.GroupNorm(1, c)),
+            ("GroupNormAct (SiLU)", GroupNormAct(1, c, act="silu"),
+             nn.Sequential(nn.GroupNorm(1, c), nn.SiLU())),
+            ("BatchNormAct2d (In-Place ABN)",
+             BatchNormAct2d(c, act="identity", memory="inplace"), nn.BatchNorm2d(c)))
+
+
+def long_slices(sides=LONG_SIDES, ratios=LONG_RATIOS, seeds: int = LONG_SEEDS) -> list[dict]:
+    """Max output and input-gradient errors vs float64 of per-channel and per-sample
+    layers on ``1 x 2 x side x side`` float32 input (long NCHW slices), torch.nn beside
+    normkit; gradients for an upstream gradient of mean 1 and for ``dy = x`` (whose exact
+    ``dx`` is what ``eps`` leaves, so a sum's error shows in full). Output error relative
+    to the largest output, gradient error to the largest gradient (at least 1)."""
+    rows = []
+    for side in sides:
+        shape = (1, 2, side, side)
+        worst: dict[str, dict[str, float]] = {}
+        for seed in range(seeds):
+            for ratio in ratios:
+                g = torch.Generator().manual_seed(seed)
+                x = torch.randn(shape, generator=g) + ratio
+                upstream = {"dx": torch.randn(shape, generator=g) + 1.0, "dx_collinear": x}
+                for label, ours, theirs in _long_slice_layers(shape[1]):
+                    exact = copy.deepcopy(theirs).double()  # (torch's default parameters,
+                    # as ours: ones and zeros)
+                    row = worst.setdefault(label, {})
+                    for key, dy in upstream.items():
+                        x64 = x.double().requires_grad_()
+                        y64 = exact(x64)
+                        (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+                        for who, module in (("torch", theirs), ("normkit", ours)):
+                            leaf = x.clone().requires_grad_()
+                            y = module(leaf)
+                            (dx,) = torch.autograd.grad(y, leaf, dy)
+                            out = float((y.detach().double() - y64.detach()).abs().max()
+                                        ) / float(y64.detach().abs().max())
+                            row[f"{who}_out"] = max(row.get(f"{who}_out", 0.0), out)
+                            row[f"{who}_{key}"] = max(row.get(f"{who}_{key}", 0.0),
+                                                      _grad_error(dx, dx64))
+        rows += [{"layer": label, "positions": side * side, **row}
+                 for label, row in worst.items()]
+    return rows
+
+
+def long_slices_markdown(rows: list[dict]) -> str:
+    return _table([("layer", "layer", ""), ("positions per slice", "positions", "d")]
+                  + [(f"{who} {name}", f"{who}_{key}", ".1e")
+                     for name, key in (("output", "out"), ("dx", "dx"),
+                                       ("dx, dy = x", "dx_collinear"))
+                     for who in ("torch", "normkit")], rows)
 
 
 #: ``--sixteen-bit``: (layer, shape) pairs, offsets (|mean| / std).
@@ -528,9 +594,18 @@ def main() -> None:
                         help="16-bit second derivatives of inference BatchNorm + activation")
     parser.add_argument("--few-values", action="store_true",
                         help="float32 derivatives of statistics over 1 to 4 values each")
+    parser.add_argument("--long-slices", action="store_true",
+                        help="float32 NCHW layers over 2^16 to 2^20 positions per slice")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.few_values:
+    if args.long_slices:
+        _emit(long_slices(), long_slices_markdown, args.json,
+              f"torch {torch.__version__}, float32 1 x 2 x side x side NCHW input, "
+              f"|mean| / std {' and '.join(map(str, LONG_RATIOS))}, {LONG_SEEDS} seeds, "
+              "training mode; output error relative to the largest output, dx relative to "
+              "the largest gradient (at least 1) for an upstream gradient of mean 1 and "
+              "for dy = x; the float32 tolerances are 2e-5 + 2e-5 |y| and 5e-5, 1 thread")
+    elif args.few_values:
         _emit(few_values(), few_values_markdown, args.json,
               f"torch {torch.__version__}, float32, first and second derivatives of input "
               "and parameters (each case's worst) relative to the largest float64 "

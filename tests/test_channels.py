@@ -357,21 +357,25 @@ def test_batch_norm_sums_take_the_blocks_only_for_small_samples(threads, sample_
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("out", [False, True], ids=["allocated", "out="])
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
 @pytest.mark.parametrize("mask", [(True, True, True), (True, False, False),
                                   (False, True, True)], ids=["all", "dx", "params"])
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
 @pytest.mark.parametrize("kind", ["batch", "instance", "batch-channels-last"])
 def test_nchw_backward_is_torchs_kernel_and_equals_float64(monkeypatch, kind, affine, mask,
-                                                           out):
+                                                           large):
     """Contiguous input, pooled per channel or per slice, and channels-last input pooled
     per channel with at most ``CHANNELS_LAST_BACKWARD_MAX_COUNT`` values: the backward is
     torch's BatchNorm backward kernel from the saved statistics (the slice sums are never
-    taken), into a fresh or an ``out=`` (huge-page) tensor; every gradient asked for
+    taken) -- unless BatchNorm's ``dx`` is wanted and the input has
+    KERNEL_BACKWARD_MAX_BYTES or more (set to 0 here), where the sums and two passes write
+    it (InstanceNorm keeps the kernel: its slices are finished in cache); every gradient asked for
     equals float64 autograd of torch's BatchNorm / InstanceNorm."""
-    monkeypatch.setattr(channels, "_backward_sums", lambda *a: pytest.fail("slice sums"))
-    if out:
-        monkeypatch.setattr(channels, "out_like", lambda t: torch.empty_like(t))
+    calls = []
+    sums = channels._backward_sums
+    monkeypatch.setattr(channels, "_backward_sums", lambda *a: calls.append(1) or sums(*a))
+    if large:
+        monkeypatch.setattr(channels, "KERNEL_BACKWARD_MAX_BYTES", 0)
     gen = torch.Generator().manual_seed(5)
     x64 = torch.randn(4, 6, 7, 9, generator=gen, dtype=torch.float64).add_(0.75)
     w64 = torch.randn(6, generator=gen, dtype=torch.float64) if affine else None
@@ -384,6 +388,7 @@ def test_nchw_backward_is_torchs_kernel_and_equals_float64(monkeypatch, kind, af
     mean, _, rstd = channels.moments(x, pool, 1e-5)
     mask = (mask[0], mask[1] and affine, mask[2])
     got = channels.backward(dy, x, mean, rstd, w, pool, mask)
+    assert bool(calls) == (large and mask[0] and kind != "instance")
     if mask[0] and kind == "batch-channels-last":
         assert got[0].is_contiguous(memory_format=torch.channels_last)
     leaves = [x64.clone().requires_grad_(), None if w64 is None else w64.clone(),
@@ -694,3 +699,82 @@ def test_channels_last_batch_norm_backward_with_an_upstream_gradient_along_the_i
         (want,) = torch.autograd.grad(torch.nn.BatchNorm2d(4).double()(x64), x64,
                                       x0.double())
         assert_grad_close(dx, want, torch.float32, f"dx, seed {seed}")
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.9])
+def test_long_nchw_slices_are_summed_in_pieces(offset):
+    """torch's BatchNorm backward kernel, which gives the engine its NCHW slice sums, adds
+    a slice in vector lanes, each in sequence: over a whole 1024 x 1024 slice the mean it
+    gave BatchNorm2d was 8 ulps off and the output 2.3e-5 (relative to its largest value;
+    torch's 5.9e-8). Read in pieces of at most ROW_FOLD_LENGTH positions (or by torch's
+    cascaded sums where a slice has no such pieces), the statistics are as exact as the
+    float64 ones rounded, and the output within a few ulps."""
+    x = torch.randn(1, 2, 1024, 1024, generator=torch.Generator().manual_seed(0)) + offset
+    bn = normkit.BatchNorm2d(2, momentum=1.0)
+    y = bn(x)
+    x64 = x.double()
+    torch.testing.assert_close(bn.running_mean, x64.mean((0, 2, 3)).float(), rtol=0,
+                               atol=2.5e-7)
+    y64 = torch.nn.functional.batch_norm(x64, None, None, training=True, eps=1e-5)
+    assert float((y.double() - y64).abs().max()) <= 5e-7 * float(y64.abs().max())
+    s1, s2 = channels._row_sums(x.view(1, 2, -1)[:, :, :1024 * 1023 + 7])  # no pieces
+    rows = x64.view(2, -1)[:, :1024 * 1023 + 7]
+    assert bool(((s1.double() - rows.sum(1)).abs() <= 1e-7 * rows.abs().sum(1)).all())
+    torch.testing.assert_close(s2.double(), rows.square().sum(1), rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["batch", "instance"])
+def test_nchw_backward_past_row_bound_with_an_upstream_gradient_along_the_input(kind):
+    """``dy = x`` on 1024 x 1024 slices: torch's backward kernel's lane sums left 1.0e-4 of
+    the exact (eps-sized) input gradient, more than the float32 tolerance; past
+    ROW_BACKWARD_MAX_LENGTH positions the engine's sums in pieces and two passes serve
+    (1e-6)."""
+    assert 1024 * 1024 > channels.ROW_BACKWARD_MAX_LENGTH
+    x0 = torch.randn(1, 2, 1024, 1024, generator=torch.Generator().manual_seed(1)) + 1.9
+    x64 = x0.double().requires_grad_()
+    if kind == "batch":
+        layer, ref = normkit.BatchNorm2d(2), torch.nn.BatchNorm2d(2).double()
+    else:
+        layer = normkit.InstanceNorm2d(2, affine=True)
+        ref = torch.nn.InstanceNorm2d(2, affine=True).double()
+    x = x0.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(layer(x), x, x0)
+    (want,) = torch.autograd.grad(ref(x64), x64, x0.double())
+    assert_grad_close(dx, want, torch.float32, "dx")
+
+
+def test_group_norm_backward_over_long_slices_with_an_upstream_gradient_along_the_input():
+    """GroupNorm on NCHW runs torch's GroupNorm kernels; their backward's lane sums left
+    1.1e-4 of ``dy = x``'s exact input gradient here, over 1024 x 1024 positions (1.3e-4
+    to 1.7e-4 in other draws). Past ROW_BACKWARD_MAX_LENGTH the slice-sums engine gives
+    the gradients (9e-7)."""
+    x0 = torch.randn(1, 2, 1024, 1024, generator=torch.Generator().manual_seed(0)) + 1.9
+    w = torch.rand(2, generator=torch.Generator().manual_seed(3)) + 0.5
+    leaf, wl = x0.clone().requires_grad_(), w.clone().requires_grad_()
+    got = torch.autograd.grad(normkit.functional.group_norm(leaf, 1, wl), (leaf, wl), x0)
+    x64, w64 = x0.double().requires_grad_(), w.double().requires_grad_()
+    want = torch.autograd.grad(torch.nn.functional.group_norm(x64, 1, w64), (x64, w64),
+                               x0.double())
+    for g, w_, what in zip(got, want, ("dx", "dweight"), strict=True):
+        assert_grad_close(g, w_, torch.float32, what)
+
+
+@pytest.mark.parametrize("length", [4099, 8192, 3 * 4096 + 3])
+@pytest.mark.parametrize("kind", ["batch", "group"])
+def test_backward_sums_of_contiguous_slices_in_pieces(kind, length):
+    """``_backward_sums`` of contiguous input reads each slice in pieces of at most
+    ROW_FOLD_LENGTH positions, the fewest equal ones (8192: two; 12291: 17 of 723), else
+    takes torch's cascaded sums (4099 is prime); every way equals float64 sums to a few
+    ulps of the sums' magnitudes."""
+    gen = torch.Generator().manual_seed(length)
+    x = torch.randn(3, 4, length, generator=gen) + 1.5
+    dy = x + 0.25 * torch.randn(x.shape, generator=gen)
+    pool = channels.Pool(kind, 2) if kind == "group" else channels.Pool(kind)
+    mean = x.double().mean((0, 2)).float().view(1, 4).expand(3, 4).contiguous()
+    s1, sx = channels._backward_sums(dy, x, mean, pool)
+    centered = x.double() - mean.double().view(3, 4, 1)
+    for got, want, scale in ((s1, dy.double().sum(2), dy.double().abs().sum(2)),
+                             (sx, (dy.double() * centered).sum(2),
+                              (dy.double() * centered).abs().sum(2))):
+        assert got.shape == (3, 4)
+        assert bool(((got.double() - want).abs() <= 1e-6 * scale).all())

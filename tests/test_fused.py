@@ -1162,3 +1162,38 @@ def test_fused_rows_output_can_be_changed_in_place(op, path, shape, monkeypatch)
     for got, want, name in zip(leaves, refs, ("input", "residual", "weight"), strict=True):
         if want.grad is not None:
             assert_grad_close(got.grad, want.grad, torch.float32, f"{op} {name} grad")
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 1024, 1024), (262144, 4)], ids=["nchw", "rows"])
+def test_inplace_backward_with_long_sums_and_an_upstream_gradient_along_the_input(shape):
+    """In-Place ABN's backward ran torch's BatchNorm backward kernel on the stored output,
+    whose per-channel sums are added in sequence (lanes of a 1024 x 1024 slice; the 262144
+    rows of a 2D input): with ``dy = x``, whose exact gradient is what ``eps`` leaves, it
+    was 1.0e-4 and 1.2e-4 off (tolerance 5e-5). It now takes the slice-sums engine's
+    choice, as the standard memory mode does (the rows through their channels-last view)."""
+    c = shape[1]
+    x0 = torch.randn(shape, generator=torch.Generator().manual_seed(0)) + 1.9
+    layer = (BatchNormAct2d if len(shape) == 4 else BatchNormAct1d)(c, act="identity",
+                                                                    memory="inplace")
+    leaf = x0.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(layer(leaf), leaf, x0)
+    x64 = x0.double().requires_grad_()
+    ref = TF.batch_norm(x64, None, None, training=True, eps=1e-5)
+    (want,) = torch.autograd.grad(ref, x64, x0.double())
+    assert_grad_close(dx, want, torch.float32, "dx")
+
+
+@pytest.mark.parametrize("act", ["identity", "silu"])
+def test_group_norm_act_backward_over_long_slices(act):
+    """torch's GroupNorm backward kernel (GroupNormAct's on NCHW) adds each channel's sums
+    over its positions in vector lanes, each in sequence: over 1024 x 1024 positions with
+    ``dy`` along the input its ``dx`` was 2e-4 off. Past ROW_BACKWARD_MAX_LENGTH positions
+    the slice-sums engine's sums in pieces serve."""
+    x0 = torch.randn(1, 2, 1024, 1024, generator=torch.Generator().manual_seed(3)) + 1.9
+    leaf = x0.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(GroupNormAct(2, 2, act=act)(leaf), leaf, x0)
+    x64 = x0.double().requires_grad_()
+    ref = TF.group_norm(x64, 2, eps=1e-5)
+    ref = ref if act == "identity" else TF.silu(ref)
+    (want,) = torch.autograd.grad(ref, x64, x0.double())
+    assert_grad_close(dx, want, torch.float32, "dx")

@@ -13,11 +13,14 @@ IN keeps each slice alone, GN pools the ``C / G`` consecutive channels of a samp
 
 Contiguous (NCHW) input: the forward slice sums come from torch's BatchNorm backward
 kernel run on the ``(1, N*C, L)`` view (each slice a "channel", reductions only, both
-sums in one read; :func:`_row_sums`), and every per-slice affine pass is torch's
+sums in one read; :func:`_row_sums`; slices longer than :data:`ROW_FOLD_LENGTH` read in
+pieces, whose sums are added in float64), and every per-slice affine pass is torch's
 inference BatchNorm kernel on that view (torch's own NCHW BatchNorm and InstanceNorm
 statistics kernels are 2-3x slower). The backward of BatchNorm and InstanceNorm is that
 kernel's full backward from the saved statistics, on ``x`` or on the ``(1, N*C, L)``
-view (:func:`_kernel_backward`: it finishes each channel while the channel is in cache);
+view (:func:`_kernel_backward`: it finishes each channel while the channel is in cache),
+but for slices longer than :data:`ROW_BACKWARD_MAX_LENGTH` and BatchNorm inputs of
+:data:`KERNEL_BACKWARD_MAX_BYTES` and more (:func:`_kernel_serves_backward`);
 GroupNorm's per-channel weight varies inside a group, so its backward takes the sums and
 the two elementwise passes. Channels-last input: the
 forward sums are column sums of each sample's ``(L, C)`` matrix, vectorized across the
@@ -73,7 +76,8 @@ from .native import (
 __all__ = ["RATIO", "REPAIR_MAX_SHARE", "MIN_POSITIONS", "MIN_ELEMENTS", "Pool", "wide",
            "supports", "moments", "group_moments", "repair_groups", "repaired_backward",
            "affine", "backward", "GROUP_NORM_MIN_POSITIONS", "normalize",
-           "normalize_by", "serves_batch_norm", "rows_as_channels_last", "channels_last_as_rows"]
+           "normalize_by", "serves_batch_norm", "rows_as_channels_last", "channels_last_as_rows",
+           "ROW_FOLD_LENGTH", "ROW_BACKWARD_MAX_LENGTH", "KERNEL_BACKWARD_MAX_BYTES"]
 
 #: Largest pooled ``|mean| / std`` for which ``E[x^2] - E[x]^2`` from float32 sums is kept.
 RATIO = 2.0
@@ -260,18 +264,73 @@ def _slice_sums(x: Tensor, pool: Pool) -> tuple[Tensor, Tensor]:
 def _row_sums(rows: Tensor) -> tuple[Tensor, Tensor]:
     """``(N*C,)`` sums of ``x`` and ``x^2`` over each slice of contiguous input, viewed as
     ``(1, N*C, L)``: torch's BatchNorm backward kernel with ``dy = x``, zero mean and unit
-    invstd, reductions only -- both sums in one read (its NCHW sums are accurate at any
-    count: error 3e-7 to 5e-7, see :mod:`normkit.kernels.native`). Against a row sum plus
-    a row ``vector_norm`` (two reads), ``benchmarks/column_sums.py``, two runs: 1.17-1.37x
+    invstd, reductions only -- both sums in one read. Against a row sum plus a row
+    ``vector_norm`` (two reads), ``benchmarks/column_sums.py``, two runs: 1.17-1.37x
     faster with one thread, 1.06-1.17x with two; BatchNorm from either's sums as accurate
     (max error vs float64 within 1.5x of each other at ``|mean| / std`` 0 to 2,
-    ``--accuracy``)."""
-    _, slices, _ = rows.shape
-    unit = torch.ones(slices, dtype=rows.dtype, device=rows.device)
-    _, s2, s1 = _ATEN.native_batch_norm_backward(rows, rows, unit, None, None,
+    ``--accuracy``).
+
+    The kernel adds each slice in vector lanes, each lane in sequence, so a slice is read
+    folded (:func:`_row_fold`) as pieces of at most :data:`ROW_FOLD_LENGTH` positions, and
+    each slice's partial sums are added in float64; a long slice with no such fold takes
+    torch's cascaded row sums instead.
+    """
+    _, slices, length = rows.shape
+    fold = _row_fold(length)
+    if fold is None:
+        return rows.sum(-1).view(-1), rows.square().sum(-1).view(-1)
+    pieces = rows.view(1, slices * fold, length // fold)
+    unit = torch.ones(slices * fold, dtype=rows.dtype, device=rows.device)
+    _, s2, s1 = _ATEN.native_batch_norm_backward(pieces, pieces, unit, None, None,
                                                  torch.zeros_like(unit), unit, True, 0.0,
                                                  [False, True, True])
-    return s1, s2
+    return _fold_total(s1, fold), _fold_total(s2, fold)
+
+
+#: Most positions of a contiguous slice that torch's BatchNorm backward kernel adds in one
+#: run for normkit's sums (:func:`_row_sums`, :func:`_backward_sums`). The kernel adds a
+#: slice in 16 (AVX-512) or 8 vector lanes, each in sequence, so the sums of long slices
+#: lose digits: relative error of ``sum x^2`` over 2^20 positions at ``|mean| / std`` 1.9,
+#: AMD EPYC (AVX-512), max over 8 slices, unfolded 1.1e-5 (BatchNorm2d's output 2.3e-5 off
+#: at 1 x 2 x 1024 x 1024, torch's 5.9e-8), in pieces of 16384 positions 5.0e-8, 4096
+#: 7.6e-9, 512 1.5e-9, torch's cascaded ``sum`` 8.2e-8.
+ROW_FOLD_LENGTH = 4096
+
+
+#: Most positions per slice for which the backward of contiguous BatchNorm and
+#: InstanceNorm is torch's BatchNorm backward kernel (:func:`_kernel_serves_backward`);
+#: longer slices take the sums of :func:`_backward_sums`, read in pieces, and two passes.
+#: The kernel adds each slice's ``sum dy (x - mean)`` in vector lanes, each in sequence;
+#: with an upstream gradient along the input (``dy = x``, whose exact ``dx`` is what
+#: ``eps`` leaves) its ``dx`` was off by 1.6e-6 at 32768 positions, 3.9e-6 at 65536,
+#: 1.0e-5 at 131072, 2.0e-5 at 262144, 4.8e-5 at 524288 and 1.3e-4 at 2^20 (relative to
+#: the largest gradient, at least 1; 3 seeds, ``|mean| / std`` 0 and 1.9; float32
+#: tolerance 5e-5), the sums in pieces 7.9e-7 to 1.6e-6 at every length. So the kernel
+#: up to 2^18 (within half the tolerance, as channels-last BatchNorm's bound keeps it):
+#: past it the sums and passes cost time below 32 MiB (``benchmarks/RESULTS.md``, "Long
+#: NCHW slices: sums in pieces").
+ROW_BACKWARD_MAX_LENGTH = 1 << 18
+
+
+def _row_fold(length: int) -> int | None:
+    """How many pieces :func:`_row_sums` reads a slice of ``length`` positions as: 1 up
+    to :data:`ROW_FOLD_LENGTH`, else the fewest pieces of equal length within it, when
+    they hold at least :data:`FOLD_MIN_ROWS` positions; ``None`` where there are none.
+
+    Example:
+        >>> _row_fold(56 * 56), _row_fold(512 * 512), _row_fold(5000), _row_fold(4099)
+        (1, 64, 2, None)
+    """
+    if length <= ROW_FOLD_LENGTH:
+        return 1
+    return _fold(length, ROW_FOLD_LENGTH)
+
+
+def _fold_total(sums: Tensor, fold: int) -> Tensor:
+    """Each ``fold`` consecutive partial sums added in float64, in their dtype."""
+    if fold == 1:
+        return sums
+    return sums.view(-1, fold).sum(1, dtype=torch.float64).to(sums.dtype)
 
 
 def _blocks_of_samples(cols: Tensor, pool: Pool) -> bool:
@@ -715,13 +774,20 @@ def _backward_sums(dy: Tensor, x: Tensor, mean: Tensor, pool: Pool
     sample's rows: small samples, or :data:`WHOLE_FOLD_MIN_THREADS` threads)."""
     n, c = x.shape[:2]
     if x.is_contiguous():
-        # torch's BatchNorm backward on the (1, N*C, L) view with unit invstd, reductions
-        # only: its "dweight" is sum dy (x - mean) per slice, "dbias" is sum dy
-        unit = torch.ones(n * c, dtype=x.dtype, device=x.device)
+        # torch's BatchNorm backward on the (1, N*C*fold, L / fold) view with unit invstd,
+        # reductions only: its "dweight" is sum dy (x - mean) per piece of a slice,
+        # "dbias" is sum dy (pieces as _row_sums reads them)
+        length = x[0, 0].numel()
+        fold = _row_fold(length)
+        if fold is None:
+            rows, g = x.view(n, c, -1), dy.reshape(n, c, -1)
+            return g.sum(-1), (g * (rows - mean.view(-1, c, 1))).sum(-1)
+        shape = (1, n * c * fold, length // fold)
+        unit = torch.ones(n * c * fold, dtype=x.dtype, device=x.device)
         _, sx, s1 = _ATEN.native_batch_norm_backward(
-            dy.contiguous().view(1, n * c, -1), x.view(1, n * c, -1), unit, None, None,
-            _per_slice(mean, n), unit, True, 0.0, [False, True, True])
-        return s1.view(n, c), sx.view(n, c)
+            dy.contiguous().view(shape), x.view(shape), unit, None, None,
+            _per_slice(mean, n).repeat_interleave(fold), unit, True, 0.0, [False, True, True])
+        return _fold_total(s1, fold).view(n, c), _fold_total(sx, fold).view(n, c)
     # channels-last: the same kernel per sample on the (L, C) matrix, whose channels are
     # the columns (2x faster than a product and two column sums, and no temporary),
     # folded as the forward's sums are (_kernel_column_sums: the same rows in sequence)
@@ -787,14 +853,11 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
         raise ValueError("skip serves the per-sample sums of GroupNorm and of channels-last "
                          f"InstanceNorm, got {pool.kind} pooling of "
                          f"{'contiguous' if x.is_contiguous() else 'channels-last'} input")
-    if x.is_contiguous() and pool.kind != "group":
+    if _kernel_serves_backward(x, pool, mask):
         return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
-    if pool.kind == "batch" and pool.count(x) <= CHANNELS_LAST_BACKWARD_MAX_COUNT:
-        # channels-last up to 16384 values per channel: torch's kernel, one call (its
-        # sequential sums stay within the gradient tolerance there, an upstream gradient
-        # along the input included, and it is 1.3-2x faster than the sums and two passes
-        # below: native.CHANNELS_LAST_BACKWARD_MAX_COUNT)
-        return _kernel_backward(dy, x, mean, rstd, weight, pool, mask)
+    # (dy in x's layout: the sums read both alike and dx comes out in x's layout)
+    dy = strided_like(dy.contiguous(memory_format=channels_last_format(x)
+                                    or torch.contiguous_format), x)
     s1, sx = _backward_sums(dy, x, mean, pool)
     if skip is not None:
         groups = c if pool.kind == "instance" else pool.groups
@@ -814,13 +877,53 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
         b = pool.sum(gamma * rstd * sx).div_(count)
         k1, k2 = rstd * gamma, -rstd * rstd * b
         k3 = rstd * (rstd * b * mean - a)
-        dx = _slice_affine(dy.contiguous() if x.is_contiguous() else dy, k1, k3)
+        dx = _slice_affine(dy, k1, k3)
         if x.is_contiguous():
             dx.view(1, n * c, -1).addcmul_(x.view(1, n * c, -1), _per_slice(k2, n).view(
                 1, -1, 1))
         else:
             dx.addcmul_(x, k2.view((-1, c) + (1,) * (x.dim() - 2)))
     return dx, dw, db
+
+
+#: Largest BatchNorm input (bytes) whose input gradient :func:`backward` takes from torch's
+#: BatchNorm backward kernel (:func:`_kernel_serves_backward`). That kernel allocates its own
+#: ``dx`` (its ``out=`` overload computes, then copies), and from 32 MiB glibc's default
+#: allocator hands out fresh memory, faulted in page by page, where the sums and two passes
+#: write into normkit's output cache (:mod:`normkit.kernels.memory`). ``BatchNorm2d``
+#: fwd+bwd, median of 31 alternated calls, ms, kernel / sums and passes: one thread
+#: 32x64x64x64 27.2 / 17.4, 8x64x128x128 26.2 / 17.3, channels-last 16x512x32x32
+#: 33.0 / 22.8; two threads 16.6 / 14.6, 16.3 / 14.6, 20.8 / 18.4. With glibc's heap reuse
+#: (``MALLOC_MMAP_MAX_=0``) the two were within noise of each other. A size, not the
+#: allocator's state, decides, so that a shape's gradients have the same bits whatever
+#: memory they land on.
+KERNEL_BACKWARD_MAX_BYTES = 32 << 20
+
+
+def _kernel_serves_backward(x: Tensor, pool: Pool, mask: tuple[bool, bool, bool]) -> bool:
+    """Whether :func:`backward` is torch's BatchNorm backward kernel
+    (:func:`_kernel_backward`) rather than the sums and two passes.
+
+    The kernel serves contiguous BatchNorm and InstanceNorm up to
+    :data:`ROW_BACKWARD_MAX_LENGTH` positions per slice and channels-last BatchNorm up to
+    :data:`~normkit.kernels.native.CHANNELS_LAST_BACKWARD_MAX_COUNT` values per channel,
+    where its sums are accurate (channels-last: within the gradient tolerance, an upstream
+    gradient along the input included, and 1.3-2x faster than the sums and two passes
+    there), and BatchNorm's, where ``dx`` is wanted, below
+    :data:`KERNEL_BACKWARD_MAX_BYTES`. InstanceNorm's slices are each read and finished
+    while in cache (one pass over memory, against the sums' and passes' three), which
+    outweighs the faults of the kernel's own ``dx``: fwd+bwd 32x64x64x64, one thread,
+    2.99-4.21x torch with the kernel, 1.33-1.84x with the sums and passes.
+    """
+    if pool.kind == "group":
+        return False
+    if x.is_contiguous():
+        if x[0, 0].numel() > ROW_BACKWARD_MAX_LENGTH:
+            return False
+    elif pool.kind != "batch" or pool.count(x) > CHANNELS_LAST_BACKWARD_MAX_COUNT:
+        return False
+    return (not mask[0] or pool.kind == "instance"
+            or x.numel() * x.element_size() < KERNEL_BACKWARD_MAX_BYTES)
 
 
 def _kernel_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
@@ -845,16 +948,8 @@ def _kernel_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                   None if weight is None else weight.repeat(n), mean.reshape(n * c),
                   rstd.reshape(n * c))
     g, v, w, m, r = inputs
-    out = out_like(v) if mask[0] else None
-    out = None if out is None else strided_like(out, v)
-    if out is None:
-        dx, dw, db = _ATEN.native_batch_norm_backward(g, v, w, None, None, m, r, True, 0.0,
-                                                      list(mask))
-    else:  # (large: huge pages for dx, kernels.memory; the out= overload needs all three)
-        dw, db = (m.new_empty(m.shape) for _ in range(2))
-        dx, dw, db = _ATEN.native_batch_norm_backward.out(
-            g, v, w, None, None, m, r, True, 0.0, [True, True, True], out0=out, out1=dw,
-            out2=db)
+    dx, dw, db = _ATEN.native_batch_norm_backward(g, v, w, None, None, m, r, True, 0.0,
+                                                  list(mask))
     dx = dx.view(x.shape) if mask[0] else None
     if pool.kind == "instance":
         dw = dw.view(n, c).sum(0) if mask[1] else None

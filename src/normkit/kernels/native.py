@@ -56,7 +56,8 @@ _ATEN = torch.ops.aten
 __all__ = ["THRESHOLDS", "well_conditioned", "ratio_within", "layer_norm", "batch_norm_train",
            "batch_norm_train_saved", "batch_norm_train_stats", "batch_norm_stats",
            "batch_norm_moments", "batch_norm_by_moments", "batch_norm_eval", "kernel_dtypes",
-           "CHANNELS_LAST_BACKWARD_MAX_COUNT", "channels_last_format", "group_norm",
+           "CHANNELS_LAST_BACKWARD_MAX_COUNT", "GROUP_NORM_BACKWARD_MAX_LENGTH",
+           "channels_last_format", "group_norm",
            "instance_norm", "instance_norm_rows", "INSTANCE_ROWS_MIN_SAMPLE_ELEMENTS",
            "FLOAT16_INSTANCE_VIEW_MIN_ELEMENTS", "layer_norm2d_nchw", "reference_grads",
            "kernel_params",
@@ -880,6 +881,9 @@ def group_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
     weight or bias does. torch's own ``nn.GroupNorm`` crashes there. So on the CPU every
     input that is not plain contiguous asks for the input gradient too and drops it.
 
+    Contiguous float32/float64 input with long slices (:func:`_long_slices`) gets its
+    gradients from the slice-sums engine instead, whose sums stay accurate there.
+
     Example:
         >>> x = torch.randn(2, 4, 3, 3).contiguous(memory_format=torch.channels_last)
         >>> y, mean, rstd = torch.native_group_norm(x, torch.ones(4), None, 2, 4, 9, 2, 1e-5)
@@ -888,6 +892,12 @@ def group_norm_backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
         >>> dx is None, dw.shape, db.tolist()
         (True, torch.Size([4]), [18.0, 18.0, 18.0, 18.0])
     """
+    if _long_slices(x):  # (contiguous: no crash to avoid)
+        from . import channels  # (channels imports this module)
+        per_channel = [t.reshape(n, groups).repeat_interleave(c // groups, 1)
+                       for t in (mean, rstd)]
+        return channels.backward(dy, x, *per_channel, weight, channels.Pool("group", groups),
+                                 tuple(mask))
     if mask[0] or not (mask[1] or mask[2]) or x.device.type != "cpu" or x.is_contiguous():
         return tuple(_ATEN.native_group_norm_backward(dy, x, mean, rstd, weight, n, c, hxw,
                                                       groups, mask))
@@ -924,7 +934,9 @@ def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, gro
     Contiguous float32/float64 input whose result would land on fresh memory (32 MiB and
     up with glibc's default allocator) runs the kernels block by block of samples onto
     huge pages, forward and backward (:func:`_group_norm_blocks`, the same bits but for
-    the parameter gradients' float64-summed partials).
+    the parameter gradients' float64-summed partials). Contiguous float32/float64 input
+    with more than :data:`GROUP_NORM_BACKWARD_MAX_LENGTH` positions per channel gets its
+    gradients from the slice-sums engine (:func:`_long_slices`).
 
     Example:
         >>> x = torch.randn(2, 4, 8, 8).bfloat16().requires_grad_()
@@ -935,9 +947,10 @@ def group_norm_kernel(x: Tensor, weight: Tensor | None, bias: Tensor | None, gro
     n, c = x.shape[:2]
     hxw = x.shape[2:].numel()
     blocks = None if x.dtype in _HALF else _group_norm_blocks(x, weight, bias, groups, eps)
-    if blocks is None and not group_norm_backward_crashes(x, weight, bias) and (
-            x.dtype not in _HALF or not torch.is_grad_enabled() or not any(
-                t is not None and t.requires_grad for t in (x, weight, bias))):
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, weight, bias))
+    if (blocks is None and not group_norm_backward_crashes(x, weight, bias)
+            and not (grad and (x.dtype in _HALF or _long_slices(x)))):
         return torch.native_group_norm(x, weight, bias, n, c, hxw, groups, eps)
     y, mean, rstd, backward, reference = group_norm_kernel_parts(x, weight, bias, groups,
                                                                  eps, blocks)
@@ -982,6 +995,34 @@ def group_norm_kernel_parts(x: Tensor, weight: Tensor | None, bias: Tensor | Non
                                               _float32(bias), eps).to(x.dtype)
 
     return y, mean, rstd, backward, reference
+
+
+#: Most positions per channel for which GroupNorm's and InstanceNorm's gradients on
+#: contiguous float32/float64 input come from torch's GroupNorm backward kernel
+#: (:func:`_long_slices`). That kernel adds each channel's ``sum dy`` and ``sum dy x`` in
+#: vector lanes, each lane in sequence, and takes ``sum dy (x - mean)`` as their
+#: difference: with an upstream gradient along the input (``dy = x``, whose exact ``dx`` is
+#: what ``eps`` leaves; ``|mean| / std`` 0 and 1.9, 4 seeds, one and two channels per
+#: group) its ``dx`` was off by up to 2.1e-5 at 65536 positions, 3.3e-5 at 131072,
+#: 6.9e-5 at 262144 and 2.3e-4 at 2^20 (relative to the largest gradient, at least 1;
+#: float32 tolerance 5e-5), where the slice-sums engine's sums in pieces give 1e-6 at
+#: every length (``benchmarks/accuracy.py --long-slices``). So the kernel up to 2^16,
+#: within half the tolerance.
+GROUP_NORM_BACKWARD_MAX_LENGTH = 1 << 16
+
+
+def _long_slices(x: Tensor) -> bool:
+    """Whether the gradients of GroupNorm (and InstanceNorm) of ``x`` come from the
+    slice-sums engine rather than torch's GroupNorm backward kernel: contiguous
+    float32/float64 input with more than :data:`GROUP_NORM_BACKWARD_MAX_LENGTH`
+    positions per channel.
+
+    Example:
+        >>> _long_slices(torch.empty(1, 2, 512, 512)), _long_slices(torch.empty(8, 2, 64, 64))
+        (True, False)
+    """
+    return (x.dtype in (torch.float32, torch.float64) and x.dim() > 2 and x.is_contiguous()
+            and x.shape[2:].numel() > GROUP_NORM_BACKWARD_MAX_LENGTH)
 
 
 def sample_blocks(x: Tensor):

@@ -1214,8 +1214,20 @@ def _inplace_abn_backward(ctx, dz, mask):
         scale[fb_idx] = gamma[fb_idx] * invstd[fb_idx]
         y = z.clone() if y is z else y
         y.index_copy_(1, fb_idx, fb_xhat)
-    dx, dw, db = _ATEN.native_batch_norm_backward(dy, y, scale, None, None, center, inv, True,
-                                                  ctx.eps, mask)
+    rows = y.dim() == 2  # ((N, C): the engine takes their (1, C, N, 1) channels-last view)
+    engine_y = channels.rows_as_channels_last(y) if rows else y
+    if channels.supports(engine_y, scale, center):
+        # the engine's choice of that kernel or its own sums, which stay accurate where the
+        # kernel's do not (long NCHW slices; many values per channel on channels-last)
+        c = y.shape[1]
+        g = channels.rows_as_channels_last(dy.contiguous()) if rows else dy
+        dx, dw, db = channels.backward(g, engine_y, center.view(1, c), inv.view(1, c), scale,
+                                       channels.Pool("batch"), tuple(mask))
+        if rows and dx is not None:
+            dx = channels.channels_last_as_rows(dx)
+    else:
+        dx, dw, db = _ATEN.native_batch_norm_backward(dy, y, scale, None, None, center, inv,
+                                                      True, ctx.eps, mask)
     if dw is not None:
         dw = dw.to(weight.dtype)
     if db is not None:
