@@ -1590,7 +1590,7 @@ def instance_norm_rows(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
             if dx_rows is None:
                 per_sample.append(_ATEN.native_batch_norm_backward(
                     g, v, w, None, None, mean[i], invstd[i], True, eps, [False, *mask[1:]]))
-            else:  # (the out= overload computes all three)
+            else:  # (the out= overload computes all three, then copies: no CPU kernel)
                 sums = (mean.new_empty(c), mean.new_empty(c))
                 per_sample.append(_ATEN.native_batch_norm_backward.out(
                     g, v, w, None, None, mean[i], invstd[i], True, eps, [True] * 3,
@@ -2059,7 +2059,8 @@ def _column_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Te
         gx = (torch.mul(g, weight.view(1, -1, 1), out=empty_like(g)) if weight is not None
               else g)
         dx = empty_like(x)
-        # written in place through out=, which needs every output defined: a unit
+        # each sample into its slice of dx through out= (torch computes, then copies:
+        # the overload has no CPU kernel), which needs every output defined: a unit
         # weight and two small scratch outputs for the column sums it also returns
         unit = x.new_ones(x.shape[2])
         scratch = (torch.empty_like(unit), torch.empty_like(unit))
