@@ -308,7 +308,7 @@ ROW_FOLD_LENGTH = 4096
 #: tolerance 5e-5), the sums in pieces 7.9e-7 to 1.6e-6 at every length. So the kernel
 #: up to 2^18 (within half the tolerance, as channels-last BatchNorm's bound keeps it):
 #: past it the sums and passes cost time below 32 MiB (``benchmarks/RESULTS.md``, "Long
-#: NCHW slices: sums in pieces").
+#: NCHW slices and large BatchNorm backward"; ``benchmarks/accuracy.py --long-slices``).
 ROW_BACKWARD_MAX_LENGTH = 1 << 18
 
 

@@ -1014,14 +1014,15 @@ GROUP_NORM_BACKWARD_MAX_LENGTH = 1 << 16
 def _long_slices(x: Tensor) -> bool:
     """Whether the gradients of GroupNorm (and InstanceNorm) of ``x`` come from the
     slice-sums engine rather than torch's GroupNorm backward kernel: contiguous
-    float32/float64 input with more than :data:`GROUP_NORM_BACKWARD_MAX_LENGTH`
+    float32/float64 CPU input with more than :data:`GROUP_NORM_BACKWARD_MAX_LENGTH`
     positions per channel.
 
     Example:
         >>> _long_slices(torch.empty(1, 2, 512, 512)), _long_slices(torch.empty(8, 2, 64, 64))
         (True, False)
     """
-    return (x.dtype in (torch.float32, torch.float64) and x.dim() > 2 and x.is_contiguous()
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and x.dim() > 2 and x.is_contiguous()
             and x.shape[2:].numel() > GROUP_NORM_BACKWARD_MAX_LENGTH)
 
 

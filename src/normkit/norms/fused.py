@@ -1216,9 +1216,9 @@ def _inplace_abn_backward(ctx, dz, mask):
         y.index_copy_(1, fb_idx, fb_xhat)
     rows = y.dim() == 2  # ((N, C): the engine takes their (1, C, N, 1) channels-last view)
     engine_y = channels.rows_as_channels_last(y) if rows else y
-    if channels.supports(engine_y, scale, center):
+    if y.device.type == "cpu" and channels.supports(engine_y, scale, center):
         # the engine's choice of that kernel or its own sums, which stay accurate where the
-        # kernel's do not (long NCHW slices; many values per channel on channels-last)
+        # CPU kernel's do not (long NCHW slices; many values per channel on channels-last)
         c = y.shape[1]
         g = channels.rows_as_channels_last(dy.contiguous()) if rows else dy
         dx, dw, db = channels.backward(g, engine_y, center.view(1, c), inv.view(1, c), scale,
