@@ -291,6 +291,52 @@ def long_slices_markdown(rows: list[dict]) -> str:
                      for who in ("torch", "normkit")], rows)
 
 
+#: ``--offset-gradients``: offsets (|mean| / std) and upstream-gradient means (None: dy = x).
+OFFSET_RATIOS = (2.0, 5.0, 10.0, 30.0)
+OFFSET_GRADIENT_MEANS = (0.0, 1.0, 30.0, None)
+
+
+def offset_gradients(ratios=OFFSET_RATIOS, means=OFFSET_GRADIENT_MEANS,
+                     seeds: int = 3) -> list[dict]:
+    """Max input-gradient error vs float64 of LayerNorm (64 x 768), GroupNorm (2 groups)
+    and BatchNorm2d (8 x 4 x 32 x 32) on input at an offset (``|mean| / std``) within
+    normkit's bound for torch's kernels (32), for upstream gradients of unit spread and
+    mean 0, 1 or 30, and ``dy = x``: torch.nn, normkit (``backend="auto"``: torch's
+    backward kernels there) and normkit's reference math (``backend="reference"``), each
+    relative to the largest float64 gradient (at least 1), as the tests measure."""
+    layers = (("LayerNorm", (64, 768), lambda: nn.LayerNorm(768),
+               lambda b: normkit.LayerNorm(768, backend=b)),
+              ("GroupNorm (2 groups)", (8, 4, 32, 32), lambda: nn.GroupNorm(2, 4),
+               lambda b: normkit.GroupNorm(2, 4, backend=b)),
+              ("BatchNorm2d", (8, 4, 32, 32), lambda: nn.BatchNorm2d(4),
+               lambda b: normkit.BatchNorm2d(4, backend=b)))
+    rows = []
+    for label, shape, make_torch, make_ours in layers:
+        for ratio in ratios:
+            for mean in means:
+                worst = {"torch": 0.0, "normkit": 0.0, "reference": 0.0}
+                for seed in range(seeds):
+                    g = torch.Generator().manual_seed(seed)
+                    x = torch.randn(shape, generator=g) + ratio
+                    dy = x.clone() if mean is None else torch.randn(shape, generator=g) + mean
+                    x64 = x.double().requires_grad_()
+                    (want,) = torch.autograd.grad(make_torch().double()(x64), x64, dy.double())
+                    for who, module in (("torch", make_torch()), ("normkit", make_ours("auto")),
+                                        ("reference", make_ours("reference"))):
+                        leaf = x.clone().requires_grad_()
+                        (dx,) = torch.autograd.grad(module(leaf), leaf, dy)
+                        worst[who] = max(worst[who], _grad_error(dx, want))
+                rows.append({"layer": label, "offset": ratio,
+                             "dy": "x" if mean is None else f"N({mean:g}, 1)", **worst})
+    return rows
+
+
+def offset_gradients_markdown(rows: list[dict]) -> str:
+    return _table([("layer", "layer", ""), ("offset", "offset", "g"), ("dy", "dy", ""),
+                   ("torch dx", "torch", ".1e"), ("normkit dx", "normkit", ".1e"),
+                   ("normkit reference dx", "reference", ".1e")], rows)
+
+
 #: ``--sixteen-bit``: (layer, shape) pairs, offsets (|mean| / std).
 SIXTEEN_BIT_CASES = (("LayerNorm", (4096, 768)), ("LayerNorm", (16384, 256)),
                      ("BatchNorm2d", (8, 256, 14, 14)), ("GroupNorm (8 groups)", (8, 256, 14, 14)))
@@ -596,9 +642,16 @@ def main() -> None:
                         help="float32 derivatives of statistics over 1 to 4 values each")
     parser.add_argument("--long-slices", action="store_true",
                         help="float32 NCHW layers over 2^16 to 2^20 positions per slice")
+    parser.add_argument("--offset-gradients", action="store_true",
+                        help="input gradients at an offset, by the upstream gradient's mean")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.long_slices:
+    if args.offset_gradients:
+        _emit(offset_gradients(), offset_gradients_markdown, args.json,
+              f"torch {torch.__version__}, float32, training mode, max input-gradient error "
+              "relative to the largest float64 gradient (at least 1) over 3 seeds; the "
+              "float32 tolerance is 5e-5, 1 thread")
+    elif args.long_slices:
         _emit(long_slices(), long_slices_markdown, args.json,
               f"torch {torch.__version__}, float32 1 x 2 x side x side NCHW input, "
               f"|mean| / std {' and '.join(map(str, LONG_RATIOS))}, {LONG_SEEDS} seeds, "
