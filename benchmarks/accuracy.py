@@ -646,50 +646,47 @@ def main() -> None:
                         help="input gradients at an offset, by the upstream gradient's mean")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.offset_gradients:
-        _emit(offset_gradients(), offset_gradients_markdown, args.json,
-              f"torch {torch.__version__}, float32, training mode, max input-gradient error "
-              "relative to the largest float64 gradient (at least 1) over 3 seeds; the "
-              "float32 tolerance is 5e-5, 1 thread")
-    elif args.long_slices:
-        _emit(long_slices(), long_slices_markdown, args.json,
-              f"torch {torch.__version__}, float32 1 x 2 x side x side NCHW input, "
-              f"|mean| / std {' and '.join(map(str, LONG_RATIOS))}, {LONG_SEEDS} seeds, "
-              "training mode; output error relative to the largest output, dx relative to "
-              "the largest gradient (at least 1) for an upstream gradient of mean 1 and "
-              "for dy = x; the float32 tolerances are 2e-5 + 2e-5 |y| and 5e-5, 1 thread")
-    elif args.few_values:
-        _emit(few_values(), few_values_markdown, args.json,
-              f"torch {torch.__version__}, float32, first and second derivatives of input "
-              "and parameters (each case's worst) relative to the largest float64 "
-              "magnitude (at least 1), 1 thread; the float32 gradient tolerance is 5e-5 "
-              "(tests/oracle.py), the Triton fuzz's 1e-5")
-    elif args.second_order:
-        _emit(second_order(), second_order_markdown, args.json,
-              f"torch {torch.__version__}, inference BatchNorm2d + activation, second "
-              "derivatives of input, weight and bias (each case's worst) relative to the "
-              "differential fuzz's scale, 1 thread")
-    elif args.sixteen_bit:
-        _emit(sixteen_bit(args.seed), sixteen_bit_markdown, args.json,
-              f"torch {torch.__version__}, training mode, 1 thread; output: max absolute "
-              "error, gradients: max error relative to the largest reference magnitude (at "
-              "least 1); the per-dtype test tolerances are 1.6e-2 + 1.6e-2 |y| and 4e-2 "
-              "(bfloat16), 2e-3 + 2e-3 |y| and 5e-3 (float16)")
-    elif args.backward_counts:
-        _emit(channels_last_backward_counts(), backward_counts_markdown, args.json,
-              f"torch {torch.__version__}, channels-last BatchNorm2d backward (training, "
-              "affine) from accurate statistics, N x 16 x 64 x 64 float32; max gradient "
-              "error relative to the largest reference magnitude (at least 1), over 3 "
-              "seeds, |mean| / std 0, 1, 1.9 and upstream gradients of mean 0 and 1 (and "
-              "dy = x in its columns), 1 thread")
-    elif args.counts:
-        _emit(channels_last_counts(), counts_markdown, args.json,
-              f"torch {torch.__version__}, channels-last BatchNorm2d (training, no affine), "
-              f"N x 32 x 32 x 32 float32, max error vs float64 over {SEEDS} seeds, 1 thread")
-    else:
-        _emit(measure(args.seed), markdown, args.json,
-              f"torch {torch.__version__}, float32 input, std 1, error vs float64 on the "
-              "same input")
+    version = f"torch {torch.__version__}"
+    # (flag, rows, table, header): the first flag given picks its mode, none the default
+    modes = (
+        ("offset_gradients", offset_gradients, offset_gradients_markdown,
+         f"{version}, float32, training mode, max input-gradient error relative to the "
+         "largest float64 gradient (at least 1) over 3 seeds; the float32 tolerance is "
+         "5e-5, 1 thread"),
+        ("long_slices", long_slices, long_slices_markdown,
+         f"{version}, float32 1 x 2 x side x side NCHW input, |mean| / std "
+         f"{' and '.join(map(str, LONG_RATIOS))}, {LONG_SEEDS} seeds, training mode; output "
+         "error relative to the largest output, dx relative to the largest gradient (at "
+         "least 1) for an upstream gradient of mean 1 and for dy = x; the float32 "
+         "tolerances are 2e-5 + 2e-5 |y| and 5e-5, 1 thread"),
+        ("few_values", few_values, few_values_markdown,
+         f"{version}, float32, first and second derivatives of input and parameters (each "
+         "case's worst) relative to the largest float64 magnitude (at least 1), 1 thread; "
+         "the float32 gradient tolerance is 5e-5 (tests/oracle.py), the Triton fuzz's 1e-5"),
+        ("second_order", second_order, second_order_markdown,
+         f"{version}, inference BatchNorm2d + activation, second derivatives of input, "
+         "weight and bias (each case's worst) relative to the differential fuzz's scale, "
+         "1 thread"),
+        ("sixteen_bit", lambda: sixteen_bit(args.seed), sixteen_bit_markdown,
+         f"{version}, training mode, 1 thread; output: max absolute error, gradients: max "
+         "error relative to the largest reference magnitude (at least 1); the per-dtype "
+         "test tolerances are 1.6e-2 + 1.6e-2 |y| and 4e-2 (bfloat16), 2e-3 + 2e-3 |y| "
+         "and 5e-3 (float16)"),
+        ("backward_counts", channels_last_backward_counts, backward_counts_markdown,
+         f"{version}, channels-last BatchNorm2d backward (training, affine) from accurate "
+         "statistics, N x 16 x 64 x 64 float32; max gradient error relative to the largest "
+         "reference magnitude (at least 1), over 3 seeds, |mean| / std 0, 1, 1.9 and "
+         "upstream gradients of mean 0 and 1 (and dy = x in its columns), 1 thread"),
+        ("counts", channels_last_counts, counts_markdown,
+         f"{version}, channels-last BatchNorm2d (training, no affine), N x 32 x 32 x 32 "
+         f"float32, max error vs float64 over {SEEDS} seeds, 1 thread"),
+    )
+    for flag, rows, table, header in modes:
+        if getattr(args, flag):
+            _emit(rows(), table, args.json, header)
+            return
+    _emit(measure(args.seed), markdown, args.json,
+          f"{version}, float32 input, std 1, error vs float64 on the same input")
 
 
 def _emit(rows: list[dict], table, json_path: str | None, header: str) -> None:
