@@ -1003,3 +1003,61 @@ def test_strided_weight_and_bias(name, shape, layout):
     ref.backward(dy)
     assert_grad_close(x.grad, x_ref.grad, torch.float32, f"{name} input grad")
     assert_grad_close(source.grad, source_ref.grad, torch.float32, f"{name} parameter grads")
+
+
+@pytest.mark.parametrize("width", [65537, 1 << 20], ids=["cascade", "pieces"])
+def test_rms_norm_of_long_rows_sums_in_pieces_with_the_same_bits_on_every_path(width):
+    """torch's CPU ``vector_norm`` adds a row in vector lanes, each in sequence: over 2^20
+    values RMSNorm's output was 9.6e-6 off (torch's composite 6.9e-8). Rows longer than
+    ``_stats.ROW_NORM_MAX`` are read in pieces (or, with no equal pieces -- 65537 is
+    prime -- by torch's cascaded sum), and the
+    composite, the fused node and the blocks of the fused forward give a row the same
+    bits."""
+    from oracle import normalize64
+
+    x = torch.randn(2, width, generator=torch.Generator().manual_seed(0)) + 1.9
+    want = normalize64(x, (1,), eps=1e-6, center=False)
+    composite = F.rms_rows(x, (width,), None, 1e-6)
+    fused_node = fused._add_norm_apply(x, None, None, None, (width,), 1e-6, False, x.dtype,
+                                       False)
+    blocks, _ = fused._rms_in_chunks(x, None, 1e-6)
+    assert float((composite.double() - want).abs().max()) <= 3e-7 * float(want.abs().max())
+    assert torch.equal(fused_node, composite) and torch.equal(blocks, composite)
+
+
+@pytest.mark.parametrize("layer", ["layer_norm", "rms_norm", "add_layer_norm"])
+def test_wide_rows_backward_with_an_upstream_gradient_along_the_input(layer):
+    """Rows wider than LAYER_NORM_BACKWARD_MAX_WIDTH (whole-sample LayerNorm): torch's
+    LayerNorm backward kernel adds ``sum g x`` in vector lanes and subtracts ``mean sum g``,
+    which left 2.5e-4 of ``dy = x``'s exact (eps-sized) input gradient over 2^20 features;
+    the wide route (torch's BatchNorm kernel on the rows as channels, past 2^18 features
+    the slice-sums engine) keeps every gradient within 1e-6 of float64 there."""
+    from oracle import assert_grad_close
+
+    from normkit.kernels import native
+    from normkit.norms.fused import add_layer_norm
+
+    width = 1 << 20
+    assert width > native.LAYER_NORM_BACKWARD_MAX_WIDTH
+    gen = torch.Generator().manual_seed(1)
+    x0 = torch.randn(2, width, generator=gen) + 1.9
+    r0 = torch.randn(2, width, generator=gen)
+    w0, b0 = torch.rand(width, generator=gen) + 0.5, torch.randn(width, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (x0, r0, w0, b0)]
+    exact = [t.double().requires_grad_() for t in (x0, r0, w0, b0)]
+    if layer == "layer_norm":
+        got = F.layer_norm(leaves[0], (width,), leaves[2], leaves[3])
+        ref = TF.layer_norm(exact[0], (width,), exact[2], exact[3])
+        dy, used = x0, (0, 2, 3)
+    elif layer == "rms_norm":
+        got = F.rms_norm(leaves[0], (width,), leaves[2], 1e-6)
+        ref = TF.rms_norm(exact[0], (width,), exact[2], 1e-6)
+        dy, used = x0, (0, 2)
+    else:
+        got = add_layer_norm(leaves[0], leaves[1], (width,), leaves[2], leaves[3])[0]
+        ref = TF.layer_norm(exact[0] + exact[1], (width,), exact[2], exact[3])
+        dy, used = x0 + r0, (0, 1, 2, 3)
+    grads = torch.autograd.grad(got, [leaves[i] for i in used], dy)
+    wants = torch.autograd.grad(ref, [exact[i] for i in used], dy.double())
+    for i, g, w in zip(used, grads, wants, strict=True):
+        assert_grad_close(g, w, torch.float32, f"gradient {i}")

@@ -678,7 +678,7 @@ def rms_rows(x: Tensor, shape: tuple[int, ...], weight: Tensor | None, eps: floa
     """
     dims = tuple(range(x.dim() - len(shape), x.dim()))
     count = max(math.prod(shape), 1)
-    norm = torch.linalg.vector_norm(x, 2, dims, keepdim=True)
+    norm = _stats.row_norm(x, dims)  # (torch's vector_norm, in pieces on long rows)
     if not (torch.is_grad_enabled() and (x.requires_grad or (
             weight is not None and weight.requires_grad))):
         # (inference: in place on the fresh statistics and output, the same arithmetic,

@@ -163,6 +163,9 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     offset row does not send the whole batch through the slower path. ``None`` when
     every row is past the bound: the caller's compensated path, the same bits.
 
+    Rows wider than :data:`LAYER_NORM_BACKWARD_MAX_WIDTH` take their gradients from
+    :func:`layer_norm_backward` (its centered sums), not from torch's autograd.
+
     Example:
         >>> layer_norm(torch.randn(4, 8), (8,), None, None, 1e-5).shape
         torch.Size([4, 8])
@@ -186,11 +189,12 @@ def layer_norm(x: Tensor, shape: tuple[int, ...], weight: Tensor | None,
     blocks = layer_norm_blocks(x, shape, kernel_weight, bias, eps)
     if blocks is None:
         y, mean, rstd = torch.native_layer_norm(x, shape, kernel_weight, bias, eps)
-        if well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
+        if (well_conditioned(mean, rstd, THRESHOLDS["layer_norm"])
+                and not (y.requires_grad and _wide_rows(x, shape))):
             return y  # (torch's own autograd)
-        return repair_rows(x, shape, weight, bias, eps, y.detach(), mean, rstd,
-                           THRESHOLDS["layer_norm"], backward)
-    _, y, mean, rstd = blocks
+        y = y.detach()  # (the gradients of layer_norm_backward: repaired or wide rows)
+    else:
+        _, y, mean, rstd = blocks
     if not well_conditioned(mean, rstd, THRESHOLDS["layer_norm"]):
         return repair_rows(x, shape, weight, bias, eps, y, mean, rstd,
                            THRESHOLDS["layer_norm"], backward)
@@ -701,8 +705,10 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
     ``(M, K)``, giving an ``(rows, 1)`` tensor) that term added to those rows of ``dx``
     first (RMSNorm's, which LayerNorm's gradient lacks).
 
-    float32/float64 ``x`` of 32 MiB and more whose ``dx`` would land on fresh memory runs
-    block by block, as :func:`layer_norm_blocks` does the forward (``dx`` the same bits
+    float32/float64 CPU rows wider than :data:`LAYER_NORM_BACKWARD_MAX_WIDTH` take
+    :func:`_layer_norm_backward_wide` (centered sums). Other float32/float64 ``x`` of 32 MiB
+    and more whose ``dx`` would land on fresh memory runs block by block, as
+    :func:`layer_norm_blocks` does the forward (``dx`` the same bits
     but for ``row_term``, which is then called per block, the parameter gradients the
     blocks' partial sums added in float64).
 
@@ -727,6 +733,9 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
         (torch.bfloat16, torch.float32)
     """
     if x.dtype not in _HALF:
+        if _wide_rows(x, shape):
+            return _layer_norm_backward_wide(dy, x, shape, mean, rstd, weight, bias, mask,
+                                             addend, row_term)
         blocks = _layer_norm_backward_blocks(dy, x, shape, mean, rstd, weight, bias, mask,
                                              addend, row_term)
         if blocks is not None:
@@ -769,6 +778,82 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
         dx.add_(addend)
     return (dx, None if dw is None else dw.view(weight.shape).to(weight.dtype),
             None if db is None else db.view(bias.shape).to(bias.dtype))
+
+
+#: Widest rows whose LayerNorm gradients come from torch's LayerNorm backward kernel (on
+#: float32/float64 CPU input). That kernel adds a row's ``sum g x`` and ``sum g`` (``g = dy
+#: w``) in vector lanes, each in sequence, and takes ``sum g (x - mean)`` as their
+#: difference: with an upstream gradient along the input (``dy = x``, ``|mean| / std`` 0
+#: and 1.9, 6 seeds, 2^20 values in all) its ``dx`` was off by 1.5e-5 at 8192 features,
+#: 1.9e-5 at 16384, 2.3e-5 at 32768, 2.8e-5 at 65536 (3.2e-5 in a draw of 32 rows, 2
+#: seeds) and 6.0e-5 at 262144 (relative to
+#: the largest gradient, at least 1; float32 tolerance 5e-5), where torch's BatchNorm
+#: backward kernel on the rows as channels, which centers first, gave 3.1e-6, 4.1e-6,
+#: 4.4e-6, 7.5e-6 and 2.0e-5. So the LayerNorm kernel up to 65536 features (as far as
+#: channels-last BatchNorm's bound keeps torch's kernel, 2.8e-5); wider rows take
+#: :func:`_layer_norm_backward_wide` (that kernel, and past
+#: ``channels.ROW_BACKWARD_MAX_LENGTH`` features the slice-sums engine's sums in pieces),
+#: which costs time: LayerNorm fwd+bwd at 16 x 262144, ratio to torch 0.98x -> 0.77x
+#: (one thread), 1.01x -> 0.58x (two); 4 x 2^20 1.01x -> 0.84x, 0.99x -> 0.74x.
+LAYER_NORM_BACKWARD_MAX_WIDTH = 1 << 16
+
+
+def _wide_rows(x: Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether :func:`layer_norm_backward` of ``x`` over ``shape`` takes
+    :func:`_layer_norm_backward_wide`: contiguous float32/float64 CPU rows wider than
+    :data:`LAYER_NORM_BACKWARD_MAX_WIDTH`.
+
+    Example:
+        >>> whole_samples, tokens = torch.empty(2, 64, 32, 64), torch.empty(8, 768)
+        >>> _wide_rows(whole_samples, (64, 32, 64)), _wide_rows(tokens, (768,))
+        (True, False)
+    """
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and x.is_contiguous() and math.prod(shape) > LAYER_NORM_BACKWARD_MAX_WIDTH)
+
+
+def _layer_norm_backward_wide(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Tensor,
+                              rstd: Tensor, weight: Tensor | None, bias: Tensor | None,
+                              mask: list[bool], addend: Tensor | None = None, row_term=None
+                              ) -> tuple[Tensor | None, ...]:
+    """:func:`layer_norm_backward` of rows wider than :data:`LAYER_NORM_BACKWARD_MAX_WIDTH`:
+    ``dx`` as InstanceNorm's of ``g = dy * weight`` over the ``(M, 1, K)`` view, one slice
+    per row (:func:`normkit.kernels.channels.backward`: torch's BatchNorm backward kernel,
+    whose sums are centered, or past ``ROW_BACKWARD_MAX_LENGTH`` features its sums in
+    pieces), then ``row_term`` and ``addend``; the weight gradient ``sum_rows dy * xhat``
+    and the bias gradient ``sum_rows dy``, the rows added in float64.
+
+    Example:
+        >>> x, dy = (torch.randn(2, 70000, dtype=torch.float64) for _ in range(2))
+        >>> y, mean, rstd = torch.native_layer_norm(x, (70000,), None, None, 1e-5)
+        >>> dx = _layer_norm_backward_wide(dy, x, (70000,), mean, rstd, None, None,
+        ...                                [True, False, False])[0]
+        >>> want = torch.ops.aten.native_layer_norm_backward(dy, x, (70000,), mean, rstd, None,
+        ...                                                  None, [True, False, False])[0]
+        >>> torch.allclose(dx, want)
+        True
+    """
+    from . import channels  # (channels imports this module)
+
+    k = math.prod(shape)
+    m = x.numel() // k
+    rows, g = x.view(m, 1, k), dy.reshape(m, 1, k)
+    mean, rstd = mean.reshape(m, 1), rstd.reshape(m, 1)
+    dx = dw = db = None
+    if mask[0]:
+        gw = g if weight is None else g * weight.reshape(1, 1, k)
+        dx = channels.backward(gw, rows, mean, rstd, None, channels.Pool("instance"),
+                               (True, False, False))[0]
+        if row_term is not None:
+            dx.view(m, k).add_(row_term(slice(None)))
+        if addend is not None:
+            dx.add_(addend.reshape(m, 1, k))
+        dx = dx.view(x.shape)
+    if (mask[1] and weight is not None) or (mask[2] and bias is not None):
+        # (per feature, over the rows, centered: torch's LayerNorm kernel is accurate there)
+        _, dw, db = _ATEN.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias,
+                                                     [False, mask[1], mask[2]])
+    return dx, dw, db
 
 
 def _half_backward_rows(k: int) -> int:

@@ -493,7 +493,10 @@ def _rms_in_chunks(rows: Tensor, w: Tensor | None, eps: float, x: Tensor | None 
         block, out, r = rows[start:start + step], y[start:start + step], rstd[start:start + step]
         if x is not None:
             torch.add(x[start:start + step], residual[start:start + step], out=block)
-        torch.linalg.vector_norm(block, 2, (1,), keepdim=True, out=r)
+        if k <= _stats.ROW_NORM_MAX:
+            torch.linalg.vector_norm(block, 2, (1,), keepdim=True, out=r)
+        else:  # (long rows: in pieces, as every RMSNorm path takes them)
+            r.copy_(_stats.row_norm(block, (1,)))
         r.square_().div_(max(k, 1)).add_(eps).rsqrt_()
         torch.mul(block, r, out=out)
         if w is not None:
