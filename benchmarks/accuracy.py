@@ -291,6 +291,54 @@ def long_slices_markdown(rows: list[dict]) -> str:
                      for who in ("torch", "normkit")], rows)
 
 
+#: ``--wide-rows``: row widths (features) for LayerNorm and RMSNorm, 2^21 values each.
+WIDE_ROWS = (4096, 65536, 262144, 1 << 20)
+
+
+def wide_rows(widths=WIDE_ROWS, ratios=LONG_RATIOS, seeds: int = LONG_SEEDS) -> list[dict]:
+    """:func:`long_slices` for the per-row layers: LayerNorm and RMSNorm over rows of each
+    width (2^21 values in all), torch.nn beside normkit, output error and input-gradient
+    errors (upstream gradient of mean 1, and ``dy = x``) against float64."""
+    rows = []
+    for width in widths:
+        shape = (max(2, (1 << 21) // width), width)
+        for label, ours, theirs in (("LayerNorm", normkit.LayerNorm(width),
+                                     nn.LayerNorm(width)),
+                                    ("RMSNorm", normkit.RMSNorm(width, eps=1e-6),
+                                     nn.RMSNorm(width, eps=1e-6))):
+            exact = copy.deepcopy(theirs).double()
+            row = {"layer": label, "features": width}
+            for seed in range(seeds):
+                for ratio in ratios:
+                    g = torch.Generator().manual_seed(seed)
+                    x = torch.randn(shape, generator=g) + ratio
+                    upstream = {"dx": torch.randn(shape, generator=g) + 1.0,
+                                "dx_collinear": x}
+                    for key, dy in upstream.items():
+                        x64 = x.double().requires_grad_()
+                        y64 = exact(x64)
+                        (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+                        for who, module in (("torch", theirs), ("normkit", ours)):
+                            leaf = x.clone().requires_grad_()
+                            y = module(leaf)
+                            (dx,) = torch.autograd.grad(y, leaf, dy)
+                            out = float((y.detach().double() - y64.detach()).abs().max()
+                                        ) / float(y64.detach().abs().max())
+                            row[f"{who}_out"] = max(row.get(f"{who}_out", 0.0), out)
+                            row[f"{who}_{key}"] = max(row.get(f"{who}_{key}", 0.0),
+                                                      _grad_error(dx, dx64))
+            rows.append(row)
+    return rows
+
+
+def wide_rows_markdown(rows: list[dict]) -> str:
+    return _table([("layer", "layer", ""), ("features", "features", "d")]
+                  + [(f"{who} {name}", f"{who}_{key}", ".1e")
+                     for name, key in (("output", "out"), ("dx", "dx"),
+                                       ("dx, dy = x", "dx_collinear"))
+                     for who in ("torch", "normkit")], rows)
+
+
 #: ``--offset-gradients``: offsets (|mean| / std) and upstream-gradient means (None: dy = x).
 OFFSET_RATIOS = (2.0, 5.0, 10.0, 30.0)
 OFFSET_GRADIENT_MEANS = (0.0, 1.0, 30.0, None)
@@ -642,6 +690,8 @@ def main() -> None:
                         help="float32 derivatives of statistics over 1 to 4 values each")
     parser.add_argument("--long-slices", action="store_true",
                         help="float32 NCHW layers over 2^16 to 2^20 positions per slice")
+    parser.add_argument("--wide-rows", action="store_true",
+                        help="float32 LayerNorm and RMSNorm over 4096 to 2^20 features")
     parser.add_argument("--offset-gradients", action="store_true",
                         help="input gradients at an offset, by the upstream gradient's mean")
     args = parser.parse_args()
@@ -653,6 +703,12 @@ def main() -> None:
          f"{version}, float32, training mode, max input-gradient error relative to the "
          "largest float64 gradient (at least 1) over 3 seeds; the float32 tolerance is "
          "5e-5, 1 thread"),
+        ("wide_rows", wide_rows, wide_rows_markdown,
+         f"{version}, float32 rows of 2^21 values in all, |mean| / std "
+         f"{' and '.join(map(str, LONG_RATIOS))}, {LONG_SEEDS} seeds; output error relative "
+         "to the largest output, dx relative to the largest gradient (at least 1) for an "
+         "upstream gradient of mean 1 and for dy = x; the float32 tolerances are 2e-5 + "
+         "2e-5 |y| and 5e-5, 1 thread"),
         ("long_slices", long_slices, long_slices_markdown,
          f"{version}, float32 1 x 2 x side x side NCHW input, |mean| / std "
          f"{' and '.join(map(str, LONG_RATIOS))}, {LONG_SEEDS} seeds, training mode; output "
