@@ -246,6 +246,34 @@ def _long_slice_layers(c: int):
              BatchNormAct2d(c, act="identity", memory="inplace"), nn.BatchNorm2d(c)))
 
 
+def _worst_against_float64(row: dict, shape: tuple[int, ...], layers, ratios,
+                           seeds: int) -> None:
+    """Into ``row``: the worst output error (relative to the largest output) and input
+    gradient errors (:func:`_grad_error`; ``dx`` for an upstream gradient of mean 1,
+    ``dx_collinear`` for ``dy = x``) of each ``(who, module)`` of ``layers`` against a
+    float64 copy of the last (torch's), over ``seeds`` inputs of ``shape`` at each of
+    ``ratios`` (``|mean| / std``)."""
+    exact = copy.deepcopy(layers[-1][1]).double()  # (default parameters, as normkit's)
+    for seed in range(seeds):
+        for ratio in ratios:
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(shape, generator=g) + ratio
+            upstream = {"dx": torch.randn(shape, generator=g) + 1.0, "dx_collinear": x}
+            for key, dy in upstream.items():
+                x64 = x.double().requires_grad_()
+                y64 = exact(x64)
+                (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+                for who, module in layers:
+                    leaf = x.clone().requires_grad_()
+                    y = module(leaf)
+                    (dx,) = torch.autograd.grad(y, leaf, dy)
+                    out = float((y.detach().double() - y64.detach()).abs().max()
+                                ) / float(y64.detach().abs().max())
+                    row[f"{who}_out"] = max(row.get(f"{who}_out", 0.0), out)
+                    row[f"{who}_{key}"] = max(row.get(f"{who}_{key}", 0.0),
+                                              _grad_error(dx, dx64))
+
+
 def long_slices(sides=LONG_SIDES, ratios=LONG_RATIOS, seeds: int = LONG_SEEDS) -> list[dict]:
     """Max output and input-gradient errors vs float64 of per-channel and per-sample
     layers on ``1 x 2 x side x side`` float32 input (long NCHW slices), torch.nn beside
@@ -254,32 +282,11 @@ def long_slices(sides=LONG_SIDES, ratios=LONG_RATIOS, seeds: int = LONG_SEEDS) -
     to the largest output, gradient error to the largest gradient (at least 1)."""
     rows = []
     for side in sides:
-        shape = (1, 2, side, side)
-        worst: dict[str, dict[str, float]] = {}
-        for seed in range(seeds):
-            for ratio in ratios:
-                g = torch.Generator().manual_seed(seed)
-                x = torch.randn(shape, generator=g) + ratio
-                upstream = {"dx": torch.randn(shape, generator=g) + 1.0, "dx_collinear": x}
-                for label, ours, theirs in _long_slice_layers(shape[1]):
-                    exact = copy.deepcopy(theirs).double()  # (torch's default parameters,
-                    # as ours: ones and zeros)
-                    row = worst.setdefault(label, {})
-                    for key, dy in upstream.items():
-                        x64 = x.double().requires_grad_()
-                        y64 = exact(x64)
-                        (dx64,) = torch.autograd.grad(y64, x64, dy.double())
-                        for who, module in (("torch", theirs), ("normkit", ours)):
-                            leaf = x.clone().requires_grad_()
-                            y = module(leaf)
-                            (dx,) = torch.autograd.grad(y, leaf, dy)
-                            out = float((y.detach().double() - y64.detach()).abs().max()
-                                        ) / float(y64.detach().abs().max())
-                            row[f"{who}_out"] = max(row.get(f"{who}_out", 0.0), out)
-                            row[f"{who}_{key}"] = max(row.get(f"{who}_{key}", 0.0),
-                                                      _grad_error(dx, dx64))
-        rows += [{"layer": label, "positions": side * side, **row}
-                 for label, row in worst.items()]
+        for label, ours, theirs in _long_slice_layers(2):
+            row = {"layer": label, "positions": side * side}
+            _worst_against_float64(row, (1, 2, side, side),
+                                   (("normkit", ours), ("torch", theirs)), ratios, seeds)
+            rows.append(row)
     return rows
 
 
@@ -301,32 +308,13 @@ def wide_rows(widths=WIDE_ROWS, ratios=LONG_RATIOS, seeds: int = LONG_SEEDS) -> 
     errors (upstream gradient of mean 1, and ``dy = x``) against float64."""
     rows = []
     for width in widths:
-        shape = (max(2, (1 << 21) // width), width)
         for label, ours, theirs in (("LayerNorm", normkit.LayerNorm(width),
                                      nn.LayerNorm(width)),
                                     ("RMSNorm", normkit.RMSNorm(width, eps=1e-6),
                                      nn.RMSNorm(width, eps=1e-6))):
-            exact = copy.deepcopy(theirs).double()
             row = {"layer": label, "features": width}
-            for seed in range(seeds):
-                for ratio in ratios:
-                    g = torch.Generator().manual_seed(seed)
-                    x = torch.randn(shape, generator=g) + ratio
-                    upstream = {"dx": torch.randn(shape, generator=g) + 1.0,
-                                "dx_collinear": x}
-                    for key, dy in upstream.items():
-                        x64 = x.double().requires_grad_()
-                        y64 = exact(x64)
-                        (dx64,) = torch.autograd.grad(y64, x64, dy.double())
-                        for who, module in (("torch", theirs), ("normkit", ours)):
-                            leaf = x.clone().requires_grad_()
-                            y = module(leaf)
-                            (dx,) = torch.autograd.grad(y, leaf, dy)
-                            out = float((y.detach().double() - y64.detach()).abs().max()
-                                        ) / float(y64.detach().abs().max())
-                            row[f"{who}_out"] = max(row.get(f"{who}_out", 0.0), out)
-                            row[f"{who}_{key}"] = max(row.get(f"{who}_{key}", 0.0),
-                                                      _grad_error(dx, dx64))
+            _worst_against_float64(row, (max(2, (1 << 21) // width), width),
+                                   (("normkit", ours), ("torch", theirs)), ratios, seeds)
             rows.append(row)
     return rows
 
