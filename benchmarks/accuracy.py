@@ -290,12 +290,17 @@ def long_slices(sides=LONG_SIDES, ratios=LONG_RATIOS, seeds: int = LONG_SEEDS) -
     return rows
 
 
-def long_slices_markdown(rows: list[dict]) -> str:
-    return _table([("layer", "layer", ""), ("positions per slice", "positions", "d")]
+def _versus_float64_markdown(rows: list[dict], size_title: str, size_key: str) -> str:
+    """The table of :func:`_worst_against_float64`'s rows, one size column."""
+    return _table([("layer", "layer", ""), (size_title, size_key, "d")]
                   + [(f"{who} {name}", f"{who}_{key}", ".1e")
                      for name, key in (("output", "out"), ("dx", "dx"),
                                        ("dx, dy = x", "dx_collinear"))
                      for who in ("torch", "normkit")], rows)
+
+
+def long_slices_markdown(rows: list[dict]) -> str:
+    return _versus_float64_markdown(rows, "positions per slice", "positions")
 
 
 #: ``--wide-rows``: row widths (features) for LayerNorm and RMSNorm, 2^21 values each.
@@ -320,11 +325,7 @@ def wide_rows(widths=WIDE_ROWS, ratios=LONG_RATIOS, seeds: int = LONG_SEEDS) -> 
 
 
 def wide_rows_markdown(rows: list[dict]) -> str:
-    return _table([("layer", "layer", ""), ("features", "features", "d")]
-                  + [(f"{who} {name}", f"{who}_{key}", ".1e")
-                     for name, key in (("output", "out"), ("dx", "dx"),
-                                       ("dx, dy = x", "dx_collinear"))
-                     for who in ("torch", "normkit")], rows)
+    return _versus_float64_markdown(rows, "features", "features")
 
 
 #: ``--offset-gradients``: offsets (|mean| / std) and upstream-gradient means (None: dy = x).
