@@ -221,8 +221,10 @@ def row_norm(x: Tensor, dims: Sequence[int]) -> Tensor:
     # (the reduced dims last, in order: a view where they are trailing or, as for
     # mean_square's rows, innermost in memory around size-1 dims)
     rows = x.movedim(dims, tuple(range(x.dim() - len(dims), x.dim())))
+    # (16-bit rows: the pieces' norms in float32, rounded once at the end, as whole)
     parts = torch.linalg.vector_norm(rows.reshape(*rows.shape[:x.dim() - len(dims)], pieces,
-                                                  -1), 2, -1)
+                                                  -1), 2, -1,
+                                     dtype=torch.promote_types(x.dtype, torch.float32))
     return parts.double().square().sum(-1).sqrt().to(x.dtype).reshape(keep)
 
 
