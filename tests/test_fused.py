@@ -1187,8 +1187,8 @@ def test_inplace_backward_with_long_sums_and_an_upstream_gradient_along_the_inpu
 def test_group_norm_act_backward_over_long_slices(act):
     """torch's GroupNorm backward kernel (GroupNormAct's on NCHW) adds each channel's sums
     over its positions in vector lanes, each in sequence: over 1024 x 1024 positions with
-    ``dy`` along the input its ``dx`` was 2e-4 off. Past ROW_BACKWARD_MAX_LENGTH positions
-    the slice-sums engine's sums in pieces serve."""
+    ``dy`` along the input its ``dx`` was 2e-4 off. Past GROUP_NORM_BACKWARD_MAX_LENGTH
+    positions the slice-sums engine's sums in pieces serve."""
     x0 = torch.randn(1, 2, 1024, 1024, generator=torch.Generator().manual_seed(3)) + 1.9
     leaf = x0.clone().requires_grad_()
     (dx,) = torch.autograd.grad(GroupNormAct(2, 2, act=act)(leaf), leaf, x0)
