@@ -663,26 +663,25 @@ def markdown(rows: list[dict]) -> str:
                    ("torch.nn input grad", "torch_dx", ".1e")], rows)
 
 
+#: The modes of ``main`` besides the default table: flag and what it measures.
+MODE_FLAGS = (
+    ("--counts", "channels-last BatchNorm error by values per channel instead"),
+    ("--backward-counts", "channels-last BatchNorm gradient error by values per channel"),
+    ("--sixteen-bit", "float16/bfloat16 input: torch.nn and normkit against float64"),
+    ("--second-order", "16-bit second derivatives of inference BatchNorm + activation"),
+    ("--few-values", "float32 derivatives of statistics over 1 to 4 values each"),
+    ("--long-slices", "float32 NCHW layers over 2^16 to 2^20 positions per slice"),
+    ("--wide-rows", "float32 LayerNorm and RMSNorm over 4096 to 2^20 features"),
+    ("--offset-gradients", "input gradients at an offset, by the upstream gradient's mean"),
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the numbers to this file")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--counts", action="store_true",
-                        help="channels-last BatchNorm error by values per channel instead")
-    parser.add_argument("--backward-counts", action="store_true",
-                        help="channels-last BatchNorm gradient error by values per channel")
-    parser.add_argument("--sixteen-bit", action="store_true",
-                        help="float16/bfloat16 input: torch.nn and normkit against float64")
-    parser.add_argument("--second-order", action="store_true",
-                        help="16-bit second derivatives of inference BatchNorm + activation")
-    parser.add_argument("--few-values", action="store_true",
-                        help="float32 derivatives of statistics over 1 to 4 values each")
-    parser.add_argument("--long-slices", action="store_true",
-                        help="float32 NCHW layers over 2^16 to 2^20 positions per slice")
-    parser.add_argument("--wide-rows", action="store_true",
-                        help="float32 LayerNorm and RMSNorm over 4096 to 2^20 features")
-    parser.add_argument("--offset-gradients", action="store_true",
-                        help="input gradients at an offset, by the upstream gradient's mean")
+    for flag, text in MODE_FLAGS:  # (each picks a mode instead of the default table)
+        parser.add_argument(flag, action="store_true", help=text)
     args = parser.parse_args()
     torch.set_num_threads(1)
     version = f"torch {torch.__version__}"

@@ -43,6 +43,7 @@ __all__ = [
     "ROW_NORM_MAX",
     "NORM_PIECE",
     "row_norm",
+    "equal_pieces",
     "unbiased_var",
     "merge_moments",
     "update_running_",
@@ -195,6 +196,22 @@ ROW_NORM_MAX = 1 << 16
 NORM_PIECE = 4096
 
 
+def equal_pieces(length: int, longest: int, shortest: int = 16) -> int | None:
+    """The fewest equal pieces ``k`` (``k`` divides ``length``) of at most ``longest``
+    values each, when those pieces hold at least ``shortest``; else ``None``. How
+    normkit splits long sums that torch's CPU kernels would add in sequence
+    (:func:`row_norm`, ``kernels.channels``' folds).
+
+    Example:
+        >>> equal_pieces(3136, 64), equal_pieces(64, 64), equal_pieces(4099, 64)
+        (49, 1, None)
+    """
+    for k in range(max(1, -(-length // longest)), length // shortest + 1):
+        if length % k == 0:
+            return k
+    return None
+
+
 def row_norm(x: Tensor, dims: Sequence[int]) -> Tensor:
     """``torch.linalg.vector_norm(x, 2, dims, keepdim=True)``; rows longer than
     :data:`ROW_NORM_MAX` read in pieces of at most :data:`NORM_PIECE` values whose squared
@@ -214,8 +231,7 @@ def row_norm(x: Tensor, dims: Sequence[int]) -> Tensor:
     if count <= ROW_NORM_MAX:
         return torch.linalg.vector_norm(x, 2, dims, keepdim=True)
     keep = tuple(1 if d in dims else size for d, size in enumerate(x.shape))
-    pieces = next((p for p in range(-(-count // NORM_PIECE), count // 16 + 1)
-                   if count % p == 0), None)
+    pieces = equal_pieces(count, NORM_PIECE)
     if pieces is None:
         return (x * x).sum(dims, keepdim=True).sqrt()
     # (the reduced dims last, in order: a view where they are trailing or, as for

@@ -59,6 +59,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .._stats import equal_pieces
 from .memory import empty_like, out_like
 from .native import (
     CHANNELS_LAST_BACKWARD_MAX_COUNT,
@@ -291,9 +292,9 @@ def _row_sums(rows: Tensor) -> tuple[Tensor, Tensor]:
 #: run for normkit's sums (:func:`_row_sums`, :func:`_backward_sums`). The kernel adds a
 #: slice in 16 (AVX-512) or 8 vector lanes, each in sequence, so the sums of long slices
 #: lose digits: relative error of ``sum x^2`` over 2^20 positions at ``|mean| / std`` 1.9,
-#: AMD EPYC (AVX-512), max over 8 slices, unfolded 1.1e-5 (BatchNorm2d's output 2.3e-5 off
-#: at 1 x 2 x 1024 x 1024, torch's 5.9e-8), in pieces of 16384 positions 5.0e-8, 4096
-#: 7.6e-9, 512 1.5e-9, torch's cascaded ``sum`` 8.2e-8.
+#: AMD EPYC (AVX-512), max over 8 slices (a scratch measurement), unfolded 1.1e-5
+#: (BatchNorm2d's output 2.3e-5 off at 1 x 2 x 1024 x 1024, torch's 5.9e-8), in pieces of
+#: 16384 positions 5.0e-8, 4096 7.6e-9, 512 1.5e-9, torch's cascaded ``sum`` 8.2e-8.
 ROW_FOLD_LENGTH = 4096
 
 
@@ -303,8 +304,9 @@ ROW_FOLD_LENGTH = 4096
 #: The kernel adds each slice's ``sum dy (x - mean)`` in vector lanes, each in sequence;
 #: with an upstream gradient along the input (``dy = x``, whose exact ``dx`` is what
 #: ``eps`` leaves) its ``dx`` was off by 1.6e-6 at 32768 positions, 3.9e-6 at 65536,
-#: 1.0e-5 at 131072, 2.0e-5 at 262144, 4.8e-5 at 524288 and 1.3e-4 at 2^20 (relative to
-#: the largest gradient, at least 1; 3 seeds, ``|mean| / std`` 0 and 1.9; float32
+#: 1.0e-5 at 131072, 2.0e-5 at 262144, 4.8e-5 at 524288 and 1.3e-4 at 2^20 (scratch
+#: measurements; ``benchmarks/accuracy.py --long-slices`` repeats 2^16, 2^18, 2^20;
+#: relative to the largest gradient, at least 1; 3 seeds, ``|mean| / std`` 0 and 1.9; float32
 #: tolerance 5e-5), the sums in pieces 7.9e-7 to 1.6e-6 at every length. So the kernel
 #: up to 2^18 (within half the tolerance, as channels-last BatchNorm's bound keeps it):
 #: past it the sums and passes cost time below 32 MiB (``benchmarks/RESULTS.md``, "Long
@@ -470,10 +472,7 @@ def _fold(length: int, rows: int = FOLD_ROWS) -> int | None:
         >>> _fold(3136, FOLD_ROWS_BATCH)  # 224 rows
         14
     """
-    for k in range(max(1, -(-length // rows)), length // FOLD_MIN_ROWS + 1):
-        if length % k == 0:
-            return k
-    return None
+    return equal_pieces(length, rows, FOLD_MIN_ROWS)
 
 
 #: Bytes of input per thread that :func:`_blocked_column_sums` squares at a time: the
@@ -891,7 +890,9 @@ def backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Tensor |
 #: ``dx`` (its ``out=`` overload computes, then copies), and from 32 MiB glibc's default
 #: allocator hands out fresh memory, faulted in page by page, where the sums and two passes
 #: write into normkit's output cache (:mod:`normkit.kernels.memory`). ``BatchNorm2d``
-#: fwd+bwd, median of 31 alternated calls, ms, kernel / sums and passes: one thread
+#: fwd+bwd, median of 31 alternated calls in one process (scratch timings; the
+#: ``normkit bench`` rows of RESULTS.md, "Long NCHW slices and large BatchNorm backward",
+#: are the reproducible ones), ms, kernel / sums and passes: one thread
 #: 32x64x64x64 27.2 / 17.4, 8x64x128x128 26.2 / 17.3, channels-last 16x512x32x32
 #: 33.0 / 22.8; two threads 16.6 / 14.6, 16.3 / 14.6, 20.8 / 18.4. With glibc's heap reuse
 #: (``MALLOC_MMAP_MAX_=0``) the two were within noise of each other. A size, not the

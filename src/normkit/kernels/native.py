@@ -784,7 +784,8 @@ def layer_norm_backward(dy: Tensor, x: Tensor, shape: tuple[int, ...], mean: Ten
 #: float32/float64 CPU input). That kernel adds a row's ``sum g x`` and ``sum g`` (``g = dy
 #: w``) in vector lanes, each in sequence, and takes ``sum g (x - mean)`` as their
 #: difference: with an upstream gradient along the input (``dy = x``, ``|mean| / std`` 0
-#: and 1.9, 6 seeds, 2^20 values in all) its ``dx`` was off by 1.5e-5 at 8192 features,
+#: and 1.9, 6 seeds, 2^20 values in all; scratch measurements, ``benchmarks/accuracy.py
+#: --wide-rows`` repeats 4096 to 2^20) its ``dx`` was off by 1.5e-5 at 8192 features,
 #: 1.9e-5 at 16384, 2.3e-5 at 32768, 2.8e-5 at 65536 (3.2e-5 in a draw of 32 rows, 2
 #: seeds) and 6.0e-5 at 262144 (relative to
 #: the largest gradient, at least 1; float32 tolerance 5e-5), where torch's BatchNorm
@@ -1088,11 +1089,11 @@ def group_norm_kernel_parts(x: Tensor, weight: Tensor | None, bias: Tensor | Non
 #: vector lanes, each lane in sequence, and takes ``sum dy (x - mean)`` as their
 #: difference: with an upstream gradient along the input (``dy = x``, whose exact ``dx`` is
 #: what ``eps`` leaves; ``|mean| / std`` 0 and 1.9, 4 seeds, one and two channels per
-#: group) its ``dx`` was off by up to 2.1e-5 at 65536 positions, 3.3e-5 at 131072,
-#: 6.9e-5 at 262144 and 2.3e-4 at 2^20 (relative to the largest gradient, at least 1;
-#: float32 tolerance 5e-5), where the slice-sums engine's sums in pieces give 1e-6 at
-#: every length (``benchmarks/accuracy.py --long-slices``). So the kernel up to 2^16,
-#: within half the tolerance.
+#: group; scratch measurements) its ``dx`` was off by up to 2.1e-5 at 65536 positions,
+#: 3.3e-5 at 131072, 6.9e-5 at 262144 and 2.3e-4 at 2^20 (relative to the largest
+#: gradient, at least 1; float32 tolerance 5e-5), where the slice-sums engine's sums in
+#: pieces give 1e-6 at every length (``benchmarks/accuracy.py --long-slices``). So the
+#: kernel up to 2^16, within half the tolerance.
 GROUP_NORM_BACKWARD_MAX_LENGTH = 1 << 16
 
 
