@@ -51,6 +51,10 @@ def _layers():
         "AddRMSNorm": (normkit.AddRMSNorm(12), None, (4, 5, 12), False),
         "FrozenBatchNorm2d": (normkit.FrozenBatchNorm2d(6), None, (4, 6, 3, 5), False),
         "BatchRenorm2d": (normkit.BatchRenorm2d(6), None, (4, 6, 3, 5), False),
+        "BatchRenorm2d-renorm": (normkit.BatchRenorm2d(6, warmup_steps=0, r_max=1.5,
+                                                       d_max=0.5, r_max_steps=2,
+                                                       d_max_steps=2), None,
+                                 (4, 6, 3, 5), True),
         "MeanOnlyBatchNorm2d": (normkit.MeanOnlyBatchNorm2d(6), None, (4, 6, 3, 5), False),
         "BatchNorm1d": (normkit.BatchNorm1d(12), torch.nn.BatchNorm1d(12), (8, 12), False),
         "InstanceNorm1d": (normkit.InstanceNorm1d(5), torch.nn.InstanceNorm1d(5), (4, 5, 12),
@@ -203,3 +207,39 @@ def test_a_training_step_captures_in_a_cuda_graph(name):
     y.backward(torch.ones_like(y))
     torch.testing.assert_close(static_y, y)
     torch.testing.assert_close(static_x.grad, eager_x.grad)
+
+
+def test_batch_renorm_reads_its_step_count_once(as_on_a_gpu, monkeypatch):
+    """BatchRenorm's clipping limits follow num_batches_tracked; on a GPU reading it is a
+    device sync, so the count is read once and then followed on the host: later steps
+    never read the buffer, until a write the module did not make (load_state_dict)."""
+    torch.manual_seed(0)
+    layer = normkit.BatchRenorm2d(6, warmup_steps=1, r_max=2.0, d_max=1.0, r_max_steps=4,
+                                  d_max_steps=4, momentum=0.5)
+    layer.running_mean.fill_(0.5)
+    twin = normkit.BatchRenorm2d(6, warmup_steps=1, r_max=2.0, d_max=1.0, r_max_steps=4,
+                                 d_max_steps=4, momentum=0.5, backend="reference")
+    twin.load_state_dict(layer.state_dict())
+    xs = [torch.randn(4, 6, 3, 5) * 2.0 + 1.0 for _ in range(6)]
+    layer(xs[0])  # (reads the count: 0)
+    twin(xs[0])
+
+    def forbidden(*args):
+        raise AssertionError("num_batches_tracked read back, or the compensated path")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "__int__", forbidden)
+        m.setattr(torch.Tensor, "item", forbidden)
+        m.setattr(layer, "_normalized", forbidden)  # (torch's kernels, not the CPU's core)
+        for x in xs[1:5]:  # (the warm-up, the ramp, the final limits)
+            y = layer(x)
+            torch.testing.assert_close(y, twin(x), rtol=1e-5, atol=1e-5)
+    assert int(layer.num_batches_tracked) == 5
+    state = twin.state_dict()
+    state["num_batches_tracked"].fill_(0)  # back into the warm-up: r = 1, d = 0
+    layer.load_state_dict(state)
+    assert layer.current_limits() == (1.0, 0.0)
+    torch.testing.assert_close(layer(xs[5]),
+                               torch.nn.functional.batch_norm(xs[5], None, None,
+                                                              layer.weight, layer.bias,
+                                                              training=True))

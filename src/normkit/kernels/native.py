@@ -1441,11 +1441,14 @@ def batch_norm_stats(x: Tensor, eps: float, *params: Tensor | None
     return mean, invstd
 
 
-def batch_norm_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] | None:
+def batch_norm_moments(x: Tensor, eps: float, checked: bool = True
+                       ) -> tuple[Tensor, Tensor, Tensor] | None:
     """``(mean, var, invstd)`` per channel (``var`` biased, ``invstd = 1 / sqrt(var +
     eps)``, detached) of training-mode BatchNorm by torch's statistics kernel alone
     (``torch.batch_norm_update_stats``: one read of ``x``, no output written), when
-    accurate by the bound of :func:`batch_norm_train`, else ``None``. Any float dtype:
+    accurate by the bound of :func:`batch_norm_train`, else ``None``; with ``checked=False``
+    always, unchecked (an accelerator's: the check reads a statistic back to the host, a
+    device sync, and torch's GPU kernels are BatchNorm's there anyway). Any float dtype:
     for float16/bfloat16 ``x`` the statistics come back in float32 (the kernel returns
     them in its running buffers' dtype: it is handed float32 stand-ins with momentum 0):
     the fused kernel's with float32 parameters, the same mean bit for bit and ``invstd``
@@ -1466,7 +1469,7 @@ def batch_norm_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] |
         >>> batch_norm_moments(torch.randn(8, 3) + 1e5, 1e-5) is None
         True
     """
-    threshold = _bn_threshold(x, training=True)
+    threshold = _bn_threshold(x, training=True) if checked else 0.0
     if threshold is None or x.dtype not in _FLOATS:
         return None
     running = (None, None)
@@ -1476,7 +1479,8 @@ def batch_norm_moments(x: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor] |
     # (detached: the statistics kernel has no derivative; callers hold them constant)
     mean, var = torch.batch_norm_update_stats(x.detach(), *running, 0.0)
     invstd = torch.add(var, eps).rsqrt_()
-    return (mean, var, invstd) if well_conditioned(mean, invstd, threshold) else None
+    return (mean, var, invstd) if not checked or well_conditioned(mean, invstd, threshold) \
+        else None
 
 
 def batch_norm_by_moments(x: Tensor, weight: Tensor | None, bias: Tensor | None,

@@ -514,7 +514,7 @@ class _BatchRenormForward(_BatchNormForward):
             # past the warm-up (the warm-up's path makes the same shapes)
             return self.r_max, self.d_max
         try:
-            step = int(self.num_batches_tracked)
+            step = self._step_count()
         except RuntimeError as error:
             if not compiling():
                 raise
@@ -526,6 +526,35 @@ class _BatchRenormForward(_BatchNormForward):
                 f"run the members one at a time, or use BatchNorm under vmap") from error
         return renorm_limits(step, self.r_max, self.d_max,
                              self.warmup_steps, self.r_max_steps, self.d_max_steps)
+
+    def _step_count(self) -> int:
+        """``int(num_batches_tracked)`` without reading the buffer back at every step:
+        reading an accelerator's buffer is a device sync, which stalls the GPU's queue of
+        work once per training step. The count this module last read or wrote is kept
+        with the buffer object and its version counter, and holds while both are
+        unchanged: every other write (``load_state_dict``, a user's ``fill_``) bumps the
+        version, a move to another device makes another buffer, and then the buffer is
+        read again, once. Under torch.compile the buffer is read (the graph's business)."""
+        count = self.num_batches_tracked
+        if compiling():
+            return int(count)
+        seen = self.__dict__.get("_step_seen")
+        if seen is not None and seen[0] is count and seen[1] == count._version:
+            return seen[2]
+        step = int(count)
+        self.__dict__["_step_seen"] = (count, count._version, step)
+        return step
+
+    def _momentum_factor(self) -> float:
+        """BatchNorm's count and factor; the count kept on the host follows this step's
+        ``add_(1)`` (:meth:`_step_count`)."""
+        count, seen = self.num_batches_tracked, self.__dict__.get("_step_seen")
+        known = (seen is not None and count is not None and seen[0] is count
+                 and not compiling() and seen[1] == count._version)
+        factor = super()._momentum_factor()
+        if known and count._version == seen[1] + 1:  # (its add_(1), and no other write)
+            self.__dict__["_step_seen"] = (count, count._version, seen[2] + 1)
+        return factor
 
     def _limit_tensors(self) -> tuple[Tensor, Tensor]:
         """:meth:`current_limits` as float64 tensors computed from
@@ -639,13 +668,26 @@ class _BatchRenormForward(_BatchNormForward):
     def _renormalized_fast(self, x: Tensor, dims: tuple[int, ...], count: int, r_max: float,
                            d_max: float, factor: float) -> Tensor | None:
         """The renormalized output as BatchNorm with the corrected affine, statistics
-        first (from the slice-sums engine, or torch's kernel where it is accurate), then
-        one normalizing pass whose backward is BatchNorm's: no ``xhat`` tensor and no
-        broadcast affine node. ``None`` where neither serves (CPU ``backend="auto"``
-        only; ill-conditioned data take the compensated path)."""
-        if self.backend != "auto" or F._off_cpu(x) or compiling():
+        first (from the slice-sums engine, or torch's kernel where it is accurate; on an
+        accelerator torch's kernels, unchecked), then one normalizing pass whose backward
+        is BatchNorm's: no ``xhat`` tensor and no broadcast affine node. ``None`` where
+        neither serves (``backend="auto"`` only; ill-conditioned data on the CPU and
+        fewer than four values per channel take the compensated path)."""
+        if self.backend != "auto" or compiling():
             return None
         weight, bias = self.weight, self.bias
+        if F._off_cpu(x):
+            # an accelerator: torch's statistics and normalizing kernels, unchecked (as
+            # BatchNorm's there: a check reads a statistic back, a device sync per step);
+            # few values per channel take the reference's float64 statistics, and shape
+            # inference (meta or fake tensors) the compensated path's shapes
+            if (without_data(x) or count < _stats.FEW_VALUES
+                    or not native.kernel_dtypes(x, weight, bias)):
+                return None
+            mean, var, invstd = native.batch_norm_moments(x, self.eps, checked=False)
+            scale, shift = self._corrected_affine(mean, invstd, None, r_max, d_max)
+            self._update_running(mean, var, count, factor)
+            return native.batch_norm_by_moments(x, scale, shift, mean, var, invstd, self.eps)
         # (the engine's one affine pass also on channels-last input with few values per
         # channel, where BatchNorm keeps torch's kernel: cheaper than a second run of it;
         # and on 2D rows past torch's accurate count, through their channels-last view)
