@@ -168,6 +168,32 @@ def test_rows_widths(op, width, block):
 
 
 @pytest.mark.parametrize("op", ["ln", "rms"])
+@pytest.mark.parametrize("width,fwd_single", [(40, True), (100, False)], ids=["one", "wider"])
+def test_forward_block_wider_than_the_backward(op, width, fwd_single, monkeypatch):
+    """The forward keeps rows up to ROW_FWD_BLOCK in one block (one read of x), the
+    backward up to ROW_BLOCK; wider rows go in ROW_BLOCK chunks. Scaled down (16 and 64)
+    so the interpreter runs every branch: the launches and the float64 reference agree."""
+    from normkit.kernels.triton import _ops
+
+    monkeypatch.setattr(_ops, "ROW_BLOCK", 16)
+    monkeypatch.setattr(_ops, "ROW_FWD_BLOCK", 64)
+    launched = []
+    launch = _ops._launch
+
+    def record(kernel, grid, args, num_warps=4, **constexprs):
+        launched.append((kernel.__name__, constexprs.get("SINGLE"), constexprs["BLOCK"]))
+        return launch(kernel, grid, args, num_warps, **constexprs)
+
+    monkeypatch.setattr(_ops, "_launch", record)
+    torch.manual_seed(width)
+    check_rows(op, rand(3, width), param(width), param(width))
+    forward = [entry for entry in launched if entry[0] == "_row_fwd"]
+    backward = [entry for entry in launched if entry[0] == "_row_bwd"]
+    assert forward == [("_row_fwd", fwd_single, 64 if fwd_single else 16)]
+    assert backward == [("_row_bwd", False, 16)]
+
+
+@pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("width,block", [(33, None), (130, 32)], ids=["single", "chunked"])
 def test_rows_low_precision(op, dtype, width, block):

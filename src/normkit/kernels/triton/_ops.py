@@ -33,16 +33,30 @@ from . import _kernels as K
 #: chunks of this many elements. Not tuned: on an H200 the LayerNorm forward at 4096 x
 #: 1024 to 8192 took 0.53-0.71x torch's kernel time with it (benchmarks/RESULTS.md, "GPU").
 ROW_BLOCK = 8192
+#: Widest row the LayerNorm/RMSNorm *forward* keeps in registers (one read of ``x``; wider
+#: rows take a statistics pass first, two reads, in chunks of ``ROW_BLOCK``). Its
+#: single-block program holds ``x``, weight and bias only, so it fits twice the
+#: backward's width (45-61 registers at 32 warps for sm_90, ``compile_check``).
+ROW_FWD_BLOCK = 16384
+#: Warps of the forward's single-block programs wider than ``ROW_BLOCK`` (16384 values:
+#: 16 per thread, as 8192 at 16 warps).
+FWD_MAX_WARPS = 32
 #: Elements of one GroupNorm/BatchNorm tile. Not tuned either (same section).
 TILE = 4096
 #: Programs per multiprocessor of the LayerNorm/RMSNorm backward, each owning a run of
-#: rows and one row of the weight-gradient partials. Not tuned: 1 made the backward at
-#: 4096 x 1024 1.37x torch's kernel time on an H200, 0.52-0.65x at widths 4096 and 8192
-#: (``benchmarks/gpu_overhead.py tuning`` sweeps it).
-ROW_BWD_PROGRAMS_PER_SM = 1
+#: rows and one row of the weight-gradient partials, by row width: ``(widest, per_sm)``
+#: pairs, the first whose ``widest`` holds the width. Measured on an H200 (kernel time
+#: under CUDA graphs, 4096 rows, ``benchmarks/gpu_overhead.py tuning``; RESULTS.md "GPU,
+#: second measurement"): 8 programs cut width 256 from 17.3 to 12.0 us and 1024 from 40.1
+#: to 24.2 us (narrow rows run few warps per program), while at 4096 and 8192 one program
+#: per multiprocessor was fastest (72.2 and 113.3 us; 8 took 93.3 and 150.4: more partial
+#: rows to reduce).
+ROW_BWD_PROGRAMS_PER_SM = ((2048, 8), (1 << 62, 1))
 #: Chunks per multiprocessor that each BatchNorm channel's positions are split into for
-#: the statistics and the backward's sums. Not tuned (same sweep).
-BN_CHUNKS_PER_SM = 4
+#: the statistics and the backward's sums. Measured on an H200 (same sweep, 1-16): 2 was
+#: fastest or within 7% of it at 32x64x56x56 (NCHW and NHWC) and 32x256x14x14 NHWC,
+#: 4 (the earlier, untuned value) 8-30% slower than 2 on every row.
+BN_CHUNKS_PER_SM = 2
 #: Channels one program of the BatchNorm statistics merge handles (partials are read as
 #: ``(chunks, MERGE_CHANNELS)`` tiles, channels contiguous).
 MERGE_CHANNELS = 32
@@ -153,7 +167,18 @@ def _rows(t: Tensor, n: int) -> tuple[Tensor, int]:
     return v, v.stride(0)
 
 
-def _row_config(n: int, block: int | None) -> tuple[int, bool]:
+def _row_bwd_per_sm(n: int) -> int:
+    """Backward programs per multiprocessor for rows of ``n`` (:data:`ROW_BWD_PROGRAMS_PER_SM`)."""
+    return next(per_sm for widest, per_sm in ROW_BWD_PROGRAMS_PER_SM if n <= widest)
+
+
+def _row_config(n: int, block: int | None, single_up_to: int | None = None
+                ) -> tuple[int, bool]:
+    """``(BLOCK, single)``: the block for rows of ``n`` and whether one block holds a whole
+    row: ``block`` when given; else one block for rows up to ``single_up_to`` (default
+    ``ROW_BLOCK``), chunks of ``ROW_BLOCK`` for wider ones."""
+    if block is None and n <= (ROW_BLOCK if single_up_to is None else single_up_to):
+        return next_pow2(n), True
     size = min(next_pow2(n), ROW_BLOCK if block is None else block)
     return size, n <= size
 
@@ -179,10 +204,10 @@ def rows_forward(x: Tensor, residual: Tensor | None, weight: Tensor | None,
         r2, stride_r = _rows(residual, n)
         h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
                         device=x.device)
-    size, single = _row_config(n, block)
+    size, single = _row_config(n, block, ROW_FWD_BLOCK)
     h_ = x2 if h is None else h
     has_res = residual is not None
-    warps = _warps(size)
+    warps = _warps(size) if size <= ROW_BLOCK else FWD_MAX_WARPS
     with _on_device(x):
         if not single:
             _launch(K._row_stats, m, (x2, r2, h_, *means, rstd, stride_x, stride_r, n, n,
@@ -209,7 +234,7 @@ def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | N
     dh2, stride_dh = (s2, stride_s) if dh is None else _rows(dh, n)
     m = src.numel() // n
     size, single = _row_config(n, block)
-    programs = min(m, _programs(src.device, per_sm=ROW_BWD_PROGRAMS_PER_SM))
+    programs = min(m, _programs(src.device, per_sm=_row_bwd_per_sm(n)))
     per_program = _cdiv(m, programs)
     programs = _cdiv(m, per_program)
     f32 = dict(dtype=torch.float32, device=src.device)

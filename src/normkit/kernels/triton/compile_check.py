@@ -79,7 +79,7 @@ def launches() -> dict[tuple, tuple]:
     previous, _ops.launch_hook = _ops.launch_hook, record
     try:
         for center in (True, False):
-            for n, block in ((33, None), (130, 32), (8192, None)):
+            for n, block in ((33, None), (130, 32), (8192, None), (16384, None)):
                 for residual in (None, rand(4, n)):
                     x, w = rand(4, n, dtype=torch.bfloat16), rand(n)
                     b = rand(n) if center else None
