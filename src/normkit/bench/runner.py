@@ -48,6 +48,7 @@ of the normkit source that ran (:func:`source_commit`; ``None`` outside a git ch
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import platform
@@ -215,11 +216,37 @@ def make_input(shape: Shape, dtype: torch.dtype, device: str | torch.device,
         >>> x.is_contiguous(memory_format=torch.channels_last)
         True
     """
-    x = torch.randn(shape.dims, device=device)
+    # (drawn by the CPU's generator on any device: a CUDA graph capture that fails leaves
+    # the CUDA generator in capture mode, and every later draw there raises "Offset
+    # increment outside graph capture" -- one implementation's failure must not end the
+    # run, seen on an H200 with torch 2.11)
+    x = torch.randn(shape.dims).to(device)
     if kind == "offset":
         x += _OFFSET
     x = x.to(dtype)
     return x.contiguous(memory_format=torch.channels_last) if shape.channels_last else x
+
+
+def _fresh(name: str, module: nn.Module, inputs: Sequence[torch.Tensor]
+           ) -> tuple[nn.Module, list[torch.Tensor]]:
+    """A copy of ``module`` and of the input leaves for a CUDA graph's capture: leaves no
+    forward has used yet, so that their first use is in the capture's warm-up on its side
+    stream (torch's recipe for whole-network capture). A leaf used on the default stream
+    before keeps its gradient accumulator's stream there, and with a backward in the
+    graph the capture broke on it (``measure.graphed``; seen on an H200 with torch 2.11:
+    "The AccumulateGrad node's stream does not match..."). Compiled modules are not
+    copied (their caches are per object).
+
+    Example:
+        >>> lin, x = torch.nn.Linear(2, 2), torch.ones(3, 2, requires_grad=True)
+        >>> copy, (x2,) = _fresh("torch", lin, [x])
+        >>> copy.weight is lin.weight, torch.equal(copy.weight, lin.weight), x2 is x
+        (False, True, False)
+    """
+    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    if name in COMPILED:
+        return module, leaves
+    return copy.deepcopy(module), leaves
 
 
 def _describe(error: BaseException) -> str:
@@ -409,7 +436,7 @@ class _Case:
         x = make_input(shape, self.dtype, config.device, config.input)
         extra = [make_input(shape, self.dtype, config.device) for _ in range(op.inputs - 1)]
         self.inputs = [x, *extra]
-        self.dys = [torch.randn_like(x) for _ in range(op.outputs)]
+        self.dys = [torch.randn_like(x, device="cpu").to(x.device) for _ in range(op.outputs)]
         self.modules: dict[str, nn.Module] = {}
         self.build_errors: dict[str, str] = {}
         for name in IMPLEMENTATIONS:
@@ -500,7 +527,7 @@ class _Case:
                     if grad:
                         entry["memory"] = self._memory(name, module, inputs, step)
                     if config.cuda_graphs:
-                        step = measure.graphed(step)
+                        step = measure.graphed(self._step(*_fresh(name, module, inputs), grad))
                         last = self.timer(step)
                 except Exception as error:
                     entry["error"] = _describe(error)
