@@ -70,9 +70,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.memory,clocks.max.sm,memor
 cat "$steps"
 
 if [ "$device" = cuda ]; then
-    # (pytest-xdist, in the device image, spreads the kernels' compiles over 8 processes)
-    par=$("$python" -c 'import xdist' 2>/dev/null && echo "-n 8")
-    timeout -k 15 110 "$python" -m pytest -q -rf -p no:cacheprovider $par --durations=15 \
+    # (pytest-xdist, in the device image, spreads the kernels' compiles over 16 processes)
+    par=$("$python" -c 'import xdist' 2>/dev/null && echo "-n 16")
+    timeout -k 15 160 "$python" -m pytest -v -rf -p no:cacheprovider $par --durations=15 \
         tests/test_triton.py tests/test_triton_dispatch.py tests/test_accelerator_policy.py \
         tests/test_bench.py::test_cuda_graph_timing_replays_every_implementation \
         > "$out/tests.log" 2>&1
@@ -106,7 +106,7 @@ fi
 
 # every op but the eval-mode ones (added after this script's time budget was set; on
 # CUDA they run torch's own kernels under backend="auto")
-timeout -k 15 150 "$python" -m normkit bench layer_norm rms_norm batch_norm group_norm \
+timeout -k 15 140 "$python" -m normkit bench layer_norm rms_norm batch_norm group_norm \
     instance_norm layer_norm2d add_layer_norm add_rms_norm batch_norm_act \
     batch_norm_act_inplace group_norm_act --device "$device" --shapes "$shapes" \
     --repeats "$repeats" --flush-mib "$flush" --quiet --peak-gbs 4800 \
@@ -138,7 +138,7 @@ tail -n 12 "$part"
 rm -f "$part"
 
 if [ "$device" = cuda ]; then
-    timeout -k 15 110 "$python" benchmarks/gpu_overhead.py > "$out/overhead.txt" 2>&1
+    timeout -k 15 105 "$python" benchmarks/gpu_overhead.py > "$out/overhead.txt" 2>&1
 else  # (the interpreter is slow: rehearse the first step only)
     TRITON_INTERPRET=1 NORMKIT_OVERHEAD_DEVICE=cpu "$python" benchmarks/gpu_overhead.py \
         precision double_backward direct_launch > "$out/overhead.txt" 2>&1

@@ -3,8 +3,8 @@ without the host, and a profile. Run on a CUDA machine (the device tool's H200):
 
     PYTHONPATH=src python3 benchmarks/gpu_overhead.py [STEP ...] > overhead.txt
 
-(steps: precision, accuracy, host_table, gpu_table, tuning, direct_launch, profiles;
-default all)
+(steps: precision, accuracy, double_backward, host_table, gpu_table, tuning,
+direct_launch, profiles, modules; default all)
 
 Five tables, the first two beside torch eager (and Liger-Kernel where it imports):
 
@@ -15,11 +15,13 @@ Five tables, the first two beside torch eager (and Liger-Kernel where it imports
 2. **GPU us/call**: the same calls captured in a CUDA graph and replayed, so no host work
    is timed: the kernels alone (on 4096 x >= 1024 rows and CNN activations; the graph
    replays the same buffers, so what fits in the 60 MB L2 is warm).
-3. **tuning**: the kernel time of the two launch parameters not tuned yet
+3. **tuning**: the kernel time of the launch parameters
    (``_ops.ROW_BWD_PROGRAMS_PER_SM``, ``_ops.BN_CHUNKS_PER_SM``) over candidate values.
 4. **direct launch**: a compiled kernel called through its launcher, bypassing
    ``JITFunction.run``: same output? host us?
 5. **cProfile** of normkit's LayerNorm and BatchNorm forward+backward on CUDA.
+6. **modules**: host time of whole modules under ``backend="auto"`` beside torch's, and
+   a profile of the BatchNorm2d module (the route a conv net takes on a GPU).
 
 Before them: the single-block LayerNorm's statistics at a mean of 1e4 (the H200 run
 found them off with FMA contraction on), and the float32 accuracy of torch's CUDA
@@ -277,29 +279,41 @@ def direct_launch() -> None:
 
 
 def tuning() -> None:
-    """Kernel time (CUDA graphs) of the two untuned launch parameters over candidate
-    values: ``_ops.ROW_BWD_PROGRAMS_PER_SM`` (LayerNorm backward, 4096 rows) and
-    ``_ops.BN_CHUNKS_PER_SM`` (BatchNorm statistics + merge, and its backward)."""
+    """Kernel time (CUDA graphs) of the launch parameters over candidate values:
+    ``_ops.ROW_BWD_PROGRAMS_PER_SM`` (LayerNorm backward, 4096 rows, by width),
+    ``_ops.BN_CHUNKS_PER_SM`` (BatchNorm statistics + merge, and its backward), and the
+    forward's block at width 16384 (``ROW_BLOCK`` chunks, two reads, against one block)."""
     big = DEV == "cuda"  # (the interpreter rehearsal: tiny shapes, one timed call each)
     timer = graph_us if big else (lambda fn: host_us(fn, n=1))
     rows = 4096 if big else 8
     print("\n## Tuning: GPU us/call under CUDA graphs (columns: the parameter's value)\n")
     saved = _ops.ROW_BWD_PROGRAMS_PER_SM, _ops.BN_CHUNKS_PER_SM
-    candidates = (1, 2, 4, 8)
+    candidates = (1, 2, 4, 8, 16)
     try:
         print(f"{'LN bwd, ROW_BWD_PROGRAMS_PER_SM':<40}" + "".join(f"{k:>9}" for k in candidates))
-        for n in (256, 1024, 4096, 8192) if big else (16,):
+        for n in (256, 1024, 2048, 4096, 8192, 16384) if big else (16,):
             x = torch.randn(rows, n, device=DEV)
             w, b, dy = torch.randn(n, device=DEV), torch.randn(n, device=DEV), torch.randn_like(x)
             _, _, mh, ml, rstd = _ops.rows_forward(x, None, w, b, n, 1e-5, True, None)
             times = []
             for k in candidates:
-                _ops.ROW_BWD_PROGRAMS_PER_SM = k
+                _ops.ROW_BWD_PROGRAMS_PER_SM = ((1 << 62, k),)
                 times.append(timer(functools.partial(
                     _ops.rows_backward, x, dy, None, w, mh, ml, rstd, n, True, None, x.dtype,
                     None, True, True)))
             print(f"{f'{rows}x{n}':<40}" + "".join(f"{t:9.1f}" for t in times))
-        candidates = (1, 2, 4, 8, 16)
+        _ops.ROW_BWD_PROGRAMS_PER_SM = saved[0]
+        n = 16384 if big else 32
+        blocks = (_ops.ROW_BLOCK, None) if big else (16, None)
+        print(f"\n{'LN/RMS fwd block at width ' + str(n):<40}" + "".join(
+            f"{'chunks' if k else 'single':>9}" for k in blocks))
+        x = torch.randn(rows, n, device=DEV)
+        w, b = torch.randn(n, device=DEV), torch.randn(n, device=DEV)
+        for center in (True, False):
+            times = [timer(functools.partial(_ops.rows_forward, x, None, w, b if center else None,
+                                             n, 1e-5, center, k)) for k in blocks]
+            print(f"{f'{rows}x{n} ' + ('LN' if center else 'RMS'):<40}"
+                  + "".join(f"{t:9.1f}" for t in times))
         print(f"\n{'BN, BN_CHUNKS_PER_SM':<40}" + "".join(f"{k:>9}" for k in candidates))
         images = ((((32, 64, 56, 56), False), ((32, 64, 56, 56), True),
                    ((32, 256, 14, 14), True)) if big else (((2, 4, 3, 3), True),))
@@ -347,6 +361,61 @@ def profiles() -> None:
         prof.disable()
         print(f"\n## cProfile: normkit {name}, {calls} calls (sorted by own time)\n")
         pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+
+
+def modules() -> None:
+    """Host us per forward+backward of whole modules as users call them (``backend="auto"``:
+    torch's kernels for BatchNorm/GroupNorm on CUDA, the Triton row kernels for
+    LayerNorm/RMSNorm) beside torch's modules, at the shapes of ``gpu_step.py``, then a
+    profile of normkit's BatchNorm2d module: what its wrapper costs on the device's host.
+    Each loop is timed to its end with a sync (at these sizes the host issues slower than
+    the GPU runs, so this is host time)."""
+    import normkit
+
+    big = DEV == "cuda"
+    calls = 200 if big else 3
+    image = (32, 64, 56, 56) if big else (2, 4, 3, 3)
+    rows = (8192, 1024) if big else (8, 16)
+    cases = {
+        "BatchNorm2d NHWC": (torch.nn.BatchNorm2d(image[1]), normkit.BatchNorm2d(image[1]),
+                             image, True),
+        "GroupNorm(32) NHWC": (torch.nn.GroupNorm(min(32, image[1]), image[1]),
+                               normkit.GroupNorm(min(32, image[1]), image[1]), image, True),
+        "LayerNorm": (torch.nn.LayerNorm(rows[1]), normkit.LayerNorm(rows[1]), rows, False),
+        "RMSNorm": (torch.nn.RMSNorm(rows[1]), normkit.RMSNorm(rows[1]), rows, False),
+    }
+    print("\n## Modules under backend=\"auto\": host us per forward+backward\n")
+    print(f"{'module':<22}{'torch':>10}{'normkit':>10}{'torch/normkit':>15}")
+    profiled = None
+    for name, (theirs, ours, shape, channels_last) in cases.items():
+        x = torch.randn(shape, device=DEV)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        times = []
+        for module in (theirs.to(DEV), ours.to(DEV)):
+            def step(module=module, x=x):
+                module(x).sum().backward()
+            for _ in range(5):
+                step()
+            sync()
+            begin = time.perf_counter()
+            for _ in range(calls):
+                step()
+            sync()
+            times.append((time.perf_counter() - begin) / calls * 1e6)
+            if module is ours and profiled is None:
+                profiled = (name, step)
+        print(f"{name:<22}{times[0]:>10.1f}{times[1]:>10.1f}{times[0] / times[1]:>14.2f}x")
+    name, step = profiled
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    sync()
+    prof.disable()
+    print(f"\n## cProfile: normkit {name} module fwd+bwd, {calls} calls (sorted by own time)\n")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(18)
 
 
 def precision() -> None:
@@ -452,7 +521,10 @@ def double_backward() -> None:
                     m = normkit.BatchNorm2d(4) if impl == "normkit" else torch.nn.BatchNorm2d(4)
                 else:
                     m = normkit.GroupNorm(2, 4) if impl == "normkit" else torch.nn.GroupNorm(2, 4)
-                m = m.to(DEV, torch.float64 if impl == "float64" else torch.float32)
+                # (float32 parameters: mixed precision as autocast runs BatchNorm; torch's
+                # GroupNorm takes only parameters of the input's dtype on CUDA)
+                m = m.to(DEV, torch.float64 if impl == "float64" else
+                         dtype if name == "GroupNorm" else torch.float32)
                 x = x64.to(DEV, torch.float64 if impl == "float64" else dtype)
                 x.requires_grad_()
                 y = m(x)
@@ -470,7 +542,7 @@ if __name__ == "__main__":
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name() if DEV == 'cuda' else DEV}")
     steps = {f.__name__: f for f in (precision, accuracy, double_backward, host_table,
-                                     gpu_table, tuning, direct_launch, profiles)}
+                                     gpu_table, tuning, direct_launch, profiles, modules)}
     unknown = [name for name in sys.argv[1:] if name not in steps]
     if unknown:
         sys.exit(f"unknown step(s) {unknown}: expected some of {list(steps)}")
