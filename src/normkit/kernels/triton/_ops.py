@@ -55,7 +55,7 @@ ROW_BWD_PROGRAMS_PER_SM = ((2048, 8), (1 << 62, 1))
 #: Chunks per multiprocessor that each BatchNorm channel's positions are split into for
 #: the statistics and the backward's sums. Measured on an H200 (same sweep, 1-16): 2 was
 #: fastest or within 7% of it at 32x64x56x56 (NCHW and NHWC) and 32x256x14x14 NHWC,
-#: 4 (the earlier, untuned value) 8-30% slower than 2 on every row.
+#: 4 (the earlier, untuned value) 11-30% slower than 2 on every row.
 BN_CHUNKS_PER_SM = 2
 #: Channels one program of the BatchNorm statistics merge handles (partials are read as
 #: ``(chunks, MERGE_CHANNELS)`` tiles, channels contiguous).
