@@ -337,9 +337,11 @@ def batch_norm(
             input, weight, bias, running_mean, running_var), "batch_norm"):
         y, mean, var = tk.batch_norm_train(input, weight, bias, eps)
     elif _torch_kernels(backend, input) and (unbiased_running_var or running_var is None):
-        # (torch's kernel updates running_var with the unbiased variance only)
-        return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias,
-                                              True, momentum, eps)
+        # (torch's kernel updates running_var with the unbiased variance only; called as
+        # torch.batch_norm, which torch.nn.functional.batch_norm calls after checks made
+        # above: on a GPU host each Python call shows, RESULTS.md "GPU, second measurement")
+        return torch.batch_norm(input, weight, bias, running_mean, running_var, True,
+                                momentum, eps, torch.backends.cudnn.enabled)
     elif _torch_kernels(backend, input):
         # the biased running variance (Keras, Flax): torch's kernel without the buffers,
         # which are updated below from its batch statistics (var = invstd^-2 - eps)
