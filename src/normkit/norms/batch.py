@@ -125,10 +125,11 @@ class _BatchNormForward(BackendMixin):
     def _momentum_factor(self) -> float:
         """Count this training step and return its running-average factor (torch's rule)."""
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+        count = self.num_batches_tracked  # (read once: a buffer's lookup costs ~0.6 us)
+        if self.training and self.track_running_stats and count is not None:
+            count.add_(1)
             if self.momentum is None:
-                factor = 1.0 / float(self.num_batches_tracked)
+                factor = 1.0 / float(count)
         return factor
 
     def _step_arguments(self) -> tuple[Tensor | None, Tensor | None, bool, float]:
@@ -142,8 +143,9 @@ class _BatchNormForward(BackendMixin):
         first forward made it. (Copies, not ``None``: the recomputation must save the
         tensors the first forward saved, which non-reentrant checkpointing checks.)
         """
+        running_mean, running_var = self.running_mean, self.running_var  # (read once)
         keep = not self.training or self.track_running_stats
-        has_running = self.running_mean is not None or self.running_var is not None
+        has_running = running_mean is not None or running_var is not None
         if self.training:
             forget_checked_statistics(self)
         else:
@@ -152,7 +154,7 @@ class _BatchNormForward(BackendMixin):
         factor = (0.0 if self.momentum is None else self.momentum) if skip else (
             self._momentum_factor())
         use_batch_stats = self.training or not has_running
-        mean, var = (self.running_mean, self.running_var) if keep else (None, None)
+        mean, var = (running_mean, running_var) if keep else (None, None)
         if skip:
             mean, var = (None if t is None else t.clone() for t in (mean, var))
         return mean, var, use_batch_stats, factor
