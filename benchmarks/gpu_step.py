@@ -163,5 +163,56 @@ def main() -> None:
                   flush=True)
 
 
+def profile_steps(x: torch.Tensor, layers: dict, build, steps: int = 3) -> None:
+    """Where a host-bound step's issue time goes, by layer choice: ``torch.profiler`` over
+    ``steps`` training steps (CPU activity only: the host's side), per step the count of
+    ATen operators and of kernel launches (``cudaLaunchKernel`` and the like, as the
+    runtime API calls the host makes), then the operators with the most host time of
+    their own. For the conv stack, whose step with normkit's BatchNorm2d took 0.71x
+    torch's on 2026-12-04 while the module alone cost what torch's does
+    (RESULTS.md, "GPU, second measurement")."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    for name, layer in layers.items():
+        torch.manual_seed(0)
+        model = build(layer)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def one(model=model, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+
+        for _ in range(3):
+            one()
+        sync()
+        # (one step recorded and dropped first: the profiler's own start-up lands on the
+        # first operator it records, ~3 ms on the CPU)
+        recorded = []
+        with profile(activities=[ProfilerActivity.CPU],
+                     schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                     on_trace_ready=lambda p, to=recorded: to.append(p.key_averages())) as prof:
+            for _ in range(steps + 1):
+                one()
+                sync()
+                prof.step()
+        events = recorded[0]
+        aten = sum(e.count for e in events if e.key.startswith("aten::"))
+        launches = sum(e.count for e in events if e.key.startswith("cuda") and "Launch" in e.key)
+        print(f"\n{name}: per step {aten / steps:.0f} ATen operator calls, "
+              f"{launches / steps:.0f} kernel launches; host time of their own, top 8:\n")
+        rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+        for e in rows:
+            print(f"  {e.key[:48]:<48} {e.count / steps:>6.1f} calls "
+                  f"{e.self_cpu_time_total / steps / 1e3:>8.3f} ms")
+
+
 if __name__ == "__main__":
     main()
+    n, c, hw = (32, 64, 56) if BIG else (2, 4, 6)
+    print("\n## Conv stack, host side per step (torch.profiler)")
+    profile_steps(torch.randn(n, c, hw, hw, device=DEV).contiguous(
+                      memory_format=torch.channels_last),
+                  {"torch.nn.BatchNorm2d": nn.BatchNorm2d,
+                   "normkit.BatchNorm2d": normkit.BatchNorm2d},
+                  lambda layer: convnet(c, 8 if BIG else 2, layer))
