@@ -14,7 +14,8 @@ Rows marked "torch row kernels" run normkit's layers with
 RMSNorm on CUDA to torch's kernels too: the policy alternative, measured beside the
 Triton default.
 
-Matrix products and convolutions run in TF32.
+Matrix products and convolutions run in TF32. Last, a host-side profile of the conv stack
+with torch's BatchNorm2d and with normkit's (:func:`profile_steps`).
 
 A step's matrix products give the GPU work that can hide a layer's host cost (the CPU
 issues kernels ahead of the GPU) or not. One machine, one run: figures to read.
