@@ -78,13 +78,14 @@ def _small_rows(x: Tensor, backend: str, *params: Tensor | None) -> bool:
 
 
 #: The norms whose Triton kernels ``backend="auto"`` runs on CUDA. Measured on an H200
-#: (torch 2.11, Triton 3.6; benchmarks/RESULTS.md, "GPU"): launching a Triton kernel from
-#: Python costs the host ~20 us, so a call of normkit's kernels costs ~0.1 ms of host
-#: time forward and ~0.5-1 ms forward+backward against torch's ~0.02 and ~0.14-0.18.
-#: In a pre-norm MLP stack (8 blocks, 8192 x 1024 tokens, TF32) the GPU's matrix
-#: products hide that: a step with normkit's LayerNorm/RMSNorm took 0.98-0.99x torch's
-#: time, for kernels up to 1.9x faster than torch's at widths >= 4096 and float32 errors
-#: of ~6e-7 where torch's reach 1.2e-3 (mean 1e4 x std). In a conv stack (8 x conv3x3 +
+#: (torch 2.11, Triton 3.6; benchmarks/RESULTS.md, "GPU", both measurements): launching a
+#: Triton kernel from Python costs the host 20-31 us, so a call of normkit's kernels
+#: costs ~0.1 ms of host time forward and ~0.5-1 ms forward+backward against torch's
+#: ~0.02 and ~0.15-0.27. In a pre-norm MLP stack (8 blocks, 8192 x 1024 tokens, TF32)
+#: the GPU's matrix products hide that: a step with normkit's LayerNorm/RMSNorm took
+#: 0.98-0.99x torch's time, for kernels 1.15-1.88x faster than torch's forward+backward at
+#: every width from 256 to 16384 (CUDA graphs) and float32 errors of ~6e-7 where torch's
+#: reach 1.2e-3 (mean 1e4 x std). In a conv stack (8 x conv3x3 +
 #: norm + ReLU, 32x64x56x56) nothing hides it: normkit's BatchNorm made the step 4.1x
 #: slower and its GroupNorm 1.9x. So BatchNorm and GroupNorm (and the fused ops built on
 #: them) run torch's CUDA kernels under ``"auto"``, and their Triton kernels only with
