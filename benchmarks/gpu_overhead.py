@@ -352,15 +352,21 @@ def profiles() -> None:
                       fwd_bwd(lambda: tk.batch_norm_train(img, c, cb)[0], img, c, cb))):
         for _ in range(3):
             fn()
-        sync()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(calls):
-            fn()
-        sync()
-        prof.disable()
-        print(f"\n## cProfile: normkit {name}, {calls} calls (sorted by own time)\n")
-        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(22)
+        print_profile(f"normkit {name}", fn, calls, 22)
+
+
+def print_profile(title: str, fn, calls: int, top: int) -> None:
+    """cProfile of ``calls`` calls of ``fn`` (synchronized at the end), its ``top``
+    functions by own time."""
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    sync()
+    prof.disable()
+    print(f"\n## cProfile: {title}, {calls} calls (sorted by own time)\n")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(top)
 
 
 def modules() -> None:
@@ -408,14 +414,7 @@ def modules() -> None:
                 profiled = (name, step)
         print(f"{name:<22}{times[0]:>10.1f}{times[1]:>10.1f}{times[0] / times[1]:>14.2f}x")
     name, step = profiled
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        step()
-    sync()
-    prof.disable()
-    print(f"\n## cProfile: normkit {name} module fwd+bwd, {calls} calls (sorted by own time)\n")
-    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(18)
+    print_profile(f"normkit {name} module fwd+bwd", step, calls, 18)
 
 
 def precision() -> None:

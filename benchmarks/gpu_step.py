@@ -88,8 +88,9 @@ def torch_row_kernels():
         NF.TRITON_AUTO_OPS = saved
 
 
-def step_ms(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float]:
-    """(median step ms, host ms per step spent issuing it) of forward+backward+SGD."""
+def training_step(model: nn.Module, x: torch.Tensor):
+    """One forward+backward+SGD step of ``model`` on ``x``, as a function, after three
+    warm-up steps (compilation, the allocator)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def one():
@@ -100,6 +101,12 @@ def step_ms(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float
     for _ in range(3):
         one()
     sync()
+    return one
+
+
+def step_ms(model: nn.Module, x: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(median step ms, host ms per step spent issuing it) of forward+backward+SGD."""
+    one = training_step(model, x)
     times, issue = [], []
     for _ in range(steps):
         begin = time.perf_counter()
@@ -176,17 +183,7 @@ def profile_steps(x: torch.Tensor, layers: dict, build, steps: int = 3) -> None:
 
     for name, layer in layers.items():
         torch.manual_seed(0)
-        model = build(layer)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-        def one(model=model, opt=opt):
-            opt.zero_grad(set_to_none=True)
-            model(x).square().mean().backward()
-            opt.step()
-
-        for _ in range(3):
-            one()
-        sync()
+        one = training_step(build(layer), x)
         # (one step recorded and dropped first: the profiler's own start-up lands on the
         # first operator it records, ~3 ms on the CPU)
         recorded = []
