@@ -13,6 +13,9 @@ layers on a GPU under ``torch.cuda.set_sync_debug_mode("error")``, which raises 
 implicit sync (it runs where a GPU is: ``benchmarks/gpu_check.sh``).
 """
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -235,6 +238,11 @@ def test_batch_renorm_reads_its_step_count_once(as_on_a_gpu, monkeypatch):
             y = layer(x)
             torch.testing.assert_close(y, twin(x), rtol=1e-5, atol=1e-5)
     assert int(layer.num_batches_tracked) == 5
+    assert "_step_seen" in layer.__dict__
+    copied = copy.deepcopy(layer)  # (a copy reads its own buffer: nothing carried over)
+    assert "_step_seen" not in copied.__dict__
+    assert "_step_seen" not in pickle.loads(pickle.dumps(layer)).__dict__
+    assert copied.current_limits() == layer.current_limits()
     state = twin.state_dict()
     state["num_batches_tracked"].fill_(0)  # back into the warm-up: r = 1, d = 0
     layer.load_state_dict(state)
@@ -243,3 +251,15 @@ def test_batch_renorm_reads_its_step_count_once(as_on_a_gpu, monkeypatch):
                                torch.nn.functional.batch_norm(xs[5], None, None,
                                                               layer.weight, layer.bias,
                                                               training=True))
+
+
+def test_batch_renorm_reads_a_cpu_step_count_every_time():
+    """On the CPU reading the step count costs no sync: it is read at every step, and
+    nothing is kept beside the buffer (a write through ``.data`` is seen there too)."""
+    layer = normkit.BatchRenorm2d(3, warmup_steps=1, r_max_steps=3, d_max_steps=3)
+    x = torch.randn(4, 3, 2, 2)
+    layer(x)
+    layer(x)
+    assert "_step_seen" not in layer.__dict__
+    layer.num_batches_tracked.data.fill_(0)  # (no version bump)
+    assert layer.current_limits() == (1.0, 0.0)

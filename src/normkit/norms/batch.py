@@ -530,15 +530,18 @@ class _BatchRenormForward(_BatchNormForward):
                              self.warmup_steps, self.r_max_steps, self.d_max_steps)
 
     def _step_count(self) -> int:
-        """``int(num_batches_tracked)`` without reading the buffer back at every step:
-        reading an accelerator's buffer is a device sync, which stalls the GPU's queue of
-        work once per training step. The count this module last read or wrote is kept
-        with the buffer object and its version counter, and holds while both are
-        unchanged: every other write (``load_state_dict``, a user's ``fill_``) bumps the
-        version, a move to another device makes another buffer, and then the buffer is
-        read again, once. Under torch.compile the buffer is read (the graph's business)."""
+        """``int(num_batches_tracked)`` without reading an accelerator's buffer back at
+        every step: that read is a device sync, which stalls the GPU's queue of work once
+        per training step. There the count this module last read or wrote is kept with
+        the buffer object and its version counter, and holds while both are unchanged:
+        every other write (``load_state_dict``, ``reset_running_stats``, a user's
+        ``fill_``) bumps the version, a move to another device makes another buffer, a
+        copy or a pickle of the module leaves the count behind (:meth:`__getstate__`), and
+        then the buffer is read again, once. A write through ``.data``, which moves no
+        version counter, is not seen (known limit). CPU buffers are read every time (no
+        sync to save), as under torch.compile (the graph's business)."""
         count = self.num_batches_tracked
-        if compiling():
+        if compiling() or not F._off_cpu(count):
             return int(count)
         seen = self.__dict__.get("_step_seen")
         if seen is not None and seen[0] is count and seen[1] == count._version:
@@ -557,6 +560,13 @@ class _BatchRenormForward(_BatchNormForward):
         if known and count._version == seen[1] + 1:  # (its add_(1), and no other write)
             self.__dict__["_step_seen"] = (count, count._version, seen[2] + 1)
         return factor
+
+    def __getstate__(self) -> dict:
+        """The module's state for pickling and ``copy.deepcopy``, without the step count
+        kept on the host (:meth:`_step_count`): a copy reads its own buffer first."""
+        state = dict(super().__getstate__())
+        state.pop("_step_seen", None)
+        return state
 
     def _limit_tensors(self) -> tuple[Tensor, Tensor]:
         """:meth:`current_limits` as float64 tensors computed from
