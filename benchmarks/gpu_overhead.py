@@ -62,8 +62,10 @@ def on_device(t):
         pass
 
 
-def host_us(fn, n: int = 300) -> float:
-    for _ in range(20):
+def host_us(fn, n: int = 300, warmup: int = 20, synced: bool = False) -> float:
+    """us per call of ``n`` calls issued back to back after ``warmup``: the time to issue
+    them (the host's), or with ``synced`` to their end on the device."""
+    for _ in range(warmup):
         fn()
     sync()
     begin = time.perf_counter()
@@ -71,7 +73,7 @@ def host_us(fn, n: int = 300) -> float:
         fn()
     host = time.perf_counter() - begin
     sync()
-    return host / n * 1e6
+    return (time.perf_counter() - begin if synced else host) / n * 1e6
 
 
 def graph_us(fn, reps: int = 20, replays: int = 5) -> float:
@@ -402,14 +404,7 @@ def modules() -> None:
         for module in (theirs.to(DEV), ours.to(DEV)):
             def step(module=module, x=x):
                 module(x).sum().backward()
-            for _ in range(5):
-                step()
-            sync()
-            begin = time.perf_counter()
-            for _ in range(calls):
-                step()
-            sync()
-            times.append((time.perf_counter() - begin) / calls * 1e6)
+            times.append(host_us(step, calls, warmup=5, synced=True))
             if module is ours and profiled is None:
                 profiled = (name, step)
         print(f"{name:<22}{times[0]:>10.1f}{times[1]:>10.1f}{times[0] / times[1]:>14.2f}x")
