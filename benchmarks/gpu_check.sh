@@ -116,12 +116,15 @@ tail -n 5 "$part"
 # than any eager call's host work (into steps.log: the device tool brings back 8 files)
 timeout -k 15 60 "$python" -m normkit bench layer_norm rms_norm \
     --device "$device" --shapes "$widths" --repeats "$repeats" --flush-mib "$flush" \
-    --quiet --peak-gbs 4800 $graphs --markdown "$part" > /dev/null 2>&1
+    --quiet --peak-gbs 4800 $graphs --markdown "$part" > "$part.log" 2>&1
 code=$?; echo "graphs: exit $code (tail of $steps)"
 [ "$code" = 0 ] || failed="$failed graphs"
-{ echo "== graphs: exit $code"; cat "$part"; } >> "$steps"
-tail -n 12 "$part"
-rm -f "$part"
+# (on failure its own output, traceback included, not a stale table: on 2026-12-04 a
+# crash before the table was written left only the sweep's table in $part)
+if [ "$code" = 0 ]; then shown="$part"; else shown="$part.log"; fi
+{ echo "== graphs: exit $code"; cat "$shown"; } >> "$steps"
+tail -n 12 "$shown"
+rm -f "$part" "$part.log"
 
 if [ "$device" = cuda ]; then
     timeout -k 15 120 "$python" benchmarks/gpu_overhead.py > "$out/overhead.txt" 2>&1

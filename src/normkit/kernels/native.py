@@ -1468,6 +1468,8 @@ def batch_norm_moments(x: Tensor, eps: float, checked: bool = True
         (torch.Size([3]), True, True)
         >>> batch_norm_moments(torch.randn(8, 3) + 1e5, 1e-5) is None
         True
+        >>> batch_norm_moments(torch.randn(8, 3) + 1e5, 1e-5, checked=False)[0].shape
+        torch.Size([3])
     """
     threshold = _bn_threshold(x, training=True) if checked else 0.0
     if threshold is None or x.dtype not in _FLOATS:
