@@ -203,14 +203,14 @@ def gpu_table() -> None:
         x = torch.randn(m, n, device=DEV)
         w, b = torch.randn(n, device=DEV), torch.randn(n, device=DEV)
         dy = torch.randn(m, n, device=DEV)
-        y, _, mh, ml, rstd = _ops.rows_forward(x, None, w, b, n, 1e-5, True, None)
+        y, _, stats = _ops.rows_forward(x, None, w, b, n, 1e-5, True, None)
         _, mean, rs = torch.ops.aten.native_layer_norm(x, (n,), w, b, 1e-5)
         rows[f"normkit LN fwd kernel {m}x{n}"] = (
             lambda x=x, w=w, b=b, n=n: _ops.rows_forward(x, None, w, b, n, 1e-5, True, None))
         rows[f"torch   LN fwd {m}x{n}"] = lambda x=x, w=w, b=b, n=n: F.layer_norm(x, (n,), w, b)
         rows[f"normkit LN bwd kernels {m}x{n}"] = (
-            lambda x=x, dy=dy, w=w, mh=mh, ml=ml, rstd=rstd, n=n: _ops.rows_backward(
-                x, dy, None, w, mh, ml, rstd, n, True, None, x.dtype, None, True, True))
+            lambda x=x, dy=dy, w=w, stats=stats, n=n: _ops.rows_backward(
+                x, dy, None, w, stats, n, True, None, x.dtype, None, True, True))
         rows[f"torch   LN bwd {m}x{n}"] = (
             lambda x=x, dy=dy, w=w, b=b, mean=mean, rs=rs, n=n:
             torch.ops.aten.native_layer_norm_backward(dy, x, (n,), mean, rs, w, b,
@@ -296,12 +296,12 @@ def tuning() -> None:
         for n in (256, 1024, 2048, 4096, 8192, 16384) if big else (16,):
             x = torch.randn(rows, n, device=DEV)
             w, b, dy = torch.randn(n, device=DEV), torch.randn(n, device=DEV), torch.randn_like(x)
-            _, _, mh, ml, rstd = _ops.rows_forward(x, None, w, b, n, 1e-5, True, None)
+            _, _, stats = _ops.rows_forward(x, None, w, b, n, 1e-5, True, None)
             times = []
             for k in candidates:
                 _ops.ROW_BWD_PROGRAMS_PER_SM = ((1 << 62, k),)
                 times.append(timer(functools.partial(
-                    _ops.rows_backward, x, dy, None, w, mh, ml, rstd, n, True, None, x.dtype,
+                    _ops.rows_backward, x, dy, None, w, stats, n, True, None, x.dtype,
                     None, True, True)))
             print(f"{f'{rows}x{n}':<40}" + "".join(f"{t:9.1f}" for t in times))
         _ops.ROW_BWD_PROGRAMS_PER_SM = saved[0]
@@ -429,9 +429,10 @@ def precision() -> None:
     dx64 = rstd64[:, None] * (g - g.mean(-1, keepdim=True)
                               - xhat64 * (g * xhat64).mean(-1, keepdim=True))
     for block in (None, 8, 16, 4, 2):
-        y, _, mh, ml, rstd = _ops.rows_forward(x, None, w, b, 6, 1e-5, True, block)
-        dx = _ops.rows_backward(x, dy, None, w, mh, ml, rstd, 6, True, block, x.dtype, None,
+        y, _, stats = _ops.rows_forward(x, None, w, b, 6, 1e-5, True, block)
+        dx = _ops.rows_backward(x, dy, None, w, stats, 6, True, block, x.dtype, None,
                                 False, False)[0]
+        mh, ml, rstd = stats
         stat_mean = mh.double() + ml.double()
         y64 = xhat64 * w.double() + b.double()
         # the backward from the kernel's own statistics, in float64

@@ -142,13 +142,65 @@ def wrapper() -> None:
         print(f"| {name} | {torchs:.1f} | {mine:.1f} | {1 / ratio:.2f}x |", flush=True)
 
 
+def rows() -> None:
+    """``rows`` step: normkit's LayerNorm/RMSNorm modules on the route a CUDA input takes
+    under ``"auto"`` (the Triton row kernels: ``normkit.functional._use_triton`` patched
+    to ignore the device, launches skipped and counted), beside torch's modules, whose
+    time here includes their CPU kernels (kept small: 8 x 64 rows). Module forward (with
+    and without grad mode) and forward + ``backward``; ratio: torch us / normkit us."""
+    import normkit
+    import normkit.functional as NF
+
+    def use_triton(backend, x, supported, op):
+        return backend == "triton" or (backend == "auto" and op in NF.TRITON_AUTO_OPS
+                                       and supported())
+
+    NF._use_triton = use_triton
+    launches, hook = _launch_counter()
+    _ops.launch_hook = hook
+    n = 64
+    x = torch.randn(8, n, requires_grad=True)
+    dy = torch.randn(8, n)
+    pairs = {"LayerNorm": (torch.nn.LayerNorm(n), normkit.LayerNorm(n)),
+             "RMSNorm": (torch.nn.RMSNorm(n), normkit.RMSNorm(n))}
+
+    def fwd_bwd_of(m):
+        params = list(m.parameters())
+
+        def call():
+            m(x).backward(dy)
+            x.grad = None
+            for p in params:
+                p.grad = None
+        return call
+
+    print("| module (8 x 64, Triton route, launches skipped) | call | launches | torch us "
+          "| normkit us | torch / normkit |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, (theirs, ours) in pairs.items():
+        calls = {"fwd, no grad": (lambda m=ours: m(x.detach()), lambda m=theirs: m(x.detach())),
+                 "fwd": (lambda m=ours: m(x), lambda m=theirs: m(x)),
+                 "fwd+bwd": (fwd_bwd_of(ours), fwd_bwd_of(theirs))}
+        for call, (mine_fn, torch_fn) in calls.items():
+            launches[0] = 0
+            mine_fn()
+            n_launch = launches[0]
+            mine, torchs, ratio = host_us(mine_fn, torch_fn, number=500)
+            print(f"| {name} | {call} | {n_launch} | {torchs:.1f} | {mine:.1f} | "
+                  f"{1 / ratio:.2f}x |", flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     if sys.argv[1:] == ["wrapper"]:
         wrapper()
         return
+    if sys.argv[1:] == ["rows"]:
+        rows()
+        return
     if sys.argv[1:]:
-        raise SystemExit(f"unknown arguments {sys.argv[1:]}: expected none, or 'wrapper'")
+        raise SystemExit(f"unknown arguments {sys.argv[1:]}: expected none, 'wrapper' or "
+                         f"'rows'")
     if not tk.interpreting():
         raise SystemExit("run with TRITON_INTERPRET=1 (set before triton is imported)")
     launches, hook = _launch_counter()

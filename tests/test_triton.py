@@ -218,6 +218,36 @@ def test_rows_without_affine_any_layout(op, block):
     close(grads(y, [x], dy)[0], grads(flat, [xd], dy.double())[0], F32, "dx")
 
 
+AFFINE_CASES = {"weight-only": (True, False, None), "bias-only": (False, True, None),
+                "frozen-weight": ("frozen", True, None), "frozen-bias": (True, "frozen", 16),
+                "weight-only-chunked": (True, False, 16)}
+
+
+@pytest.mark.parametrize("case", AFFINE_CASES)
+def test_rows_gradients_of_one_affine_parameter(case):
+    """The weight and bias gradients share one buffer of per-program partials (dw's, then
+    db's); with only one of them present or requiring grad, that one alone fills it."""
+    weight, bias, block = AFFINE_CASES[case]
+    torch.manual_seed(3)
+    x = rand(9, 33)
+    w, b = param(33, on=bool(weight)), param(33, on=bool(bias))
+    for t, how in ((w, weight), (b, bias)):
+        if how == "frozen":
+            t.requires_grad_(False)
+    y = tk.layer_norm(x, (33,), w, b, block=block)
+    xd, wd, bd = leaves(x, w, b)
+    yd = F.layer_norm(xd, (33,), wd, bd)
+    close(y, yd, F32, "y")
+    dy = torch.randn_like(y)
+    wanted = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    got = torch.autograd.grad(y, wanted, dy)
+    want = torch.autograd.grad(yd, [t for t in (xd, wd, bd) if t is not None and t.requires_grad],
+                               dy.double())
+    assert len(got) == len(want) == 2
+    for g, r in zip(got, want, strict=True):
+        close(g, r, F32, "grad")
+
+
 RESIDUAL_CASES = [(F32, F32, None), (BF16, F32, 16), (F16, F16, None), (BF16, BF16, 32)]
 
 
@@ -382,7 +412,9 @@ RUNNING64 = (1e4 + torch.tensor([1 / 3, 0.1, -1 / 7, 0.25, 1 / 9, -0.3], dtype=t
 INFERENCE_CASES = {
     "ln-residual": lambda x, w, b: tk.layer_norm(x, (2, 3), w.view(2, 3), b.view(2, 3),
                                                   residual=x * 0.5),
+    "ln": lambda x, w, b: tk.layer_norm(x, (3,), w[:3], b[:3]),
     "rms": lambda x, w, b: tk.rms_norm(x, (3,), w[:3], block=2),
+    "rms-single": lambda x, w, b: tk.rms_norm(x, (2, 3), w.view(2, 3), residual=x * 0.5),
     "gn-silu": lambda x, w, b: tk.group_norm(x, 3, w, b, act="silu"),
     "bn-train": lambda x, w, b: tk.batch_norm_train(x, w, b, block=8),
     "bn-eval-float64-buffers": lambda x, w, b: tk.batch_norm_eval(
@@ -590,6 +622,14 @@ def test_predicates_and_errors():
     assert not tk.supports_layer_norm(torch.randn(2, 8, device="meta"), (8,))
     xi = rand(2, 6, 3, 3, grad=False)
     assert tk.supports_group_norm(xi, 3, act="silu") and not tk.supports_group_norm(xi, 4)
+    # the predicate "auto" asks after normkit.functional's own shape checks agrees with
+    # the full ones wherever those checks pass
+    w, b = torch.ones(8, device=DEVICE), torch.zeros(8, device=DEVICE)
+    for args in ((x, w, b), (x, w.double(), None), (x.double(), w, b), (x, w.half(), b.bfloat16()),
+                 (x, w, b.to(torch.int32)), (x, w.to("meta"), b), (x.to("meta"), None, None),
+                 (x.half(), None, None), (x.to(torch.float8_e4m3fn), w, b)):
+        assert tk._serves_checked_rows(*args) == tk.supports_layer_norm(args[0], (8,), *args[1:])
+        assert tk._serves_checked_rows(*args[:2]) == tk.supports_rms_norm(*args[:1], 8, args[1])
     assert not tk.supports_group_norm(xi, 3, act="relu")
     assert tk.supports_batch_norm(xi) and not tk.supports_batch_norm(xi[0, 0, 0])
     with pytest.raises(ValueError, match="num_groups to be a positive divisor of the 6"):
@@ -615,7 +655,8 @@ def _operator_samples():
 
     x, r, w, b = (rand(5, 33, grad=False), rand(5, 33, grad=False), param(33).detach(),
                   param(33).detach())
-    _, h, mh, ml, rstd = OPS.triton_rows_fwd(x, r, w, b, 33, 1e-5, True, 16)
+    _, h, stats = OPS.triton_rows_fwd(x, r, w, b, 33, 1e-5, True, 16)
+    _, _, rms_stats = OPS.triton_rows_fwd(x, None, None, None, 33, 1e-5, False, None)
     dy = torch.randn_like(x)
     g = rand(3, 4, 5, 5, layout="nhwc", grad=False)
     gw, gb = param(4).detach(), param(4).detach()
@@ -624,9 +665,8 @@ def _operator_samples():
     return {
         "triton_rows_fwd": (x, r, w, b, 33, 1e-5, True, 16),
         "triton_rows_fwd-rms-plain": (x, None, None, None, 33, 1e-5, False, None),
-        "triton_rows_bwd": (h, dy, dy, w, mh, ml, rstd, 33, True, 16, x.dtype, r.dtype, True,
-                            True),
-        "triton_rows_bwd-no-residual": (x, dy, None, None, mh, ml, rstd, 33, False, None,
+        "triton_rows_bwd": (h, dy, dy, w, stats, 33, True, 16, x.dtype, r.dtype, True, True),
+        "triton_rows_bwd-no-residual": (x, dy, None, None, rms_stats, 33, False, None,
                                         x.dtype, None, False, False),
         "triton_gn_fwd": (g, 2, gw, gb, 1e-5, 1, None),
         "triton_gn_bwd": (g, torch.randn_like(g), gw, gb, gmh, gml, grstd, 2, 1, None),

@@ -581,7 +581,8 @@ def layer_norm(
     if input.numel() == 0:
         return _empty_result(input, weight, bias)
     backend = _few_values_backend(backend, math.prod(shape), input, weight, bias)
-    if _use_triton(backend, input, lambda: tk.supports_layer_norm(input, shape, weight, bias),
+    # (the shapes were checked above; the predicate asks the rest)
+    if _use_triton(backend, input, lambda: tk._serves_checked_rows(input, weight, bias),
                    "layer_norm"):
         if backend == "triton":  # (checks its arguments; under "auto" supports_* did)
             return tk.layer_norm(input, shape, weight, bias, eps)
@@ -642,7 +643,7 @@ def rms_norm(
     if input.numel() == 0:
         return _empty_result(input, weight, None)
     backend = _few_values_backend(backend, math.prod(shape), input, weight)
-    if _use_triton(backend, input, lambda: tk.supports_rms_norm(input, shape, weight),
+    if _use_triton(backend, input, lambda: tk._serves_checked_rows(input, weight),
                    "rms_norm"):
         if backend == "triton":  # (checks its arguments; under "auto" supports_* did)
             return tk.rms_norm(input, shape, weight, eps)

@@ -345,6 +345,27 @@ def supports_rms_norm(x: Tensor, normalized_shape: int | Sequence[int],
     return _problem_rows(x, normalized_shape, weight, None, residual) is None
 
 
+def _serves_checked_rows(x: Tensor, *params: Tensor | None) -> bool:
+    """:func:`supports_layer_norm` (``params``: weight, bias) or :func:`supports_rms_norm`
+    (weight) for a caller that has already checked what those check first: ``x`` a
+    non-empty tensor whose trailing dims match the normalized shape, ``params`` tensors
+    of that shape or None (``normkit.functional``'s argument checks). What remains:
+    the dtypes, the parameters' device, the input's device. Under ``backend="auto"`` on a
+    GPU every LayerNorm/RMSNorm call asks, and on a GPU host each check is host time.
+
+    Example:
+        >>> x = torch.randn(2, 8, dtype=torch.float64)
+        >>> _serves_checked_rows(x, None), supports_layer_norm(x, (8,))
+        (False, False)
+    """
+    if x.dtype not in _DTYPES:
+        return False
+    for t in params:
+        if t is not None and (t.dtype not in _PARAM_DTYPES or t.device != x.device):
+            return False
+    return _problem_device(x) is None
+
+
 def supports_group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None,
                         bias: Tensor | None = None, act: str | None = None) -> bool:
     """True when :func:`group_norm` can serve these arguments.
@@ -401,7 +422,7 @@ def _row_norm_unchecked(x: Tensor, residual: Tensor | None, weight: Tensor | Non
     if _ops.records_graph(x, residual, weight, bias):
         return _ops.RowNormFunction.apply(x, residual, weight, bias, ndim, eps, center, block)
     n = x.shape[x.dim() - ndim:].numel()
-    y, h, *_ = _ops.rows_forward(x, residual, weight, bias, n, eps, center, block)
+    y, h, _ = _ops.rows_forward(x, residual, weight, bias, n, eps, center, block, stats=False)
     return y if h is None else (y, h)
 
 

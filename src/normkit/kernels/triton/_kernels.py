@@ -64,8 +64,23 @@ else:  # pragma: no cover - exercised only where triton is not installed
 # Rows: LayerNorm (CENTER) and RMSNorm, with an optional residual add
 #
 # x, residual, h (= x + residual, the new residual stream), y: (M, N) with unit column
-# stride and a row stride each; statistics MEAN_HI, MEAN_LO, RSTD: (M,) float32.
+# stride and a row stride each; statistics: one float32 buffer STATS, rows MEAN_HI,
+# MEAN_LO, RSTD of M values each (LayerNorm: (3, M)) or RSTD alone (RMSNorm: (1, M)),
+# one allocation on the host instead of three (:func:`_row_stat_rows`).
 # --------------------------------------------------------------------------------------
+
+
+@_jit
+def _row_stat_rows(STATS, M, CENTER: tl.constexpr):
+    """``(MEAN_HI, MEAN_LO, RSTD)`` pointers into the statistics buffer (RMSNorm: all
+    three ``RSTD``; the kernels read no mean without ``CENTER``). Offsets are added one
+    row at a time, so none exceeds ``M``."""
+    MEAN_LO = STATS
+    RSTD = STATS
+    if CENTER:
+        MEAN_LO = STATS + M
+        RSTD = MEAN_LO + M
+    return STATS, MEAN_LO, RSTD
 
 
 @_jit
@@ -91,8 +106,8 @@ def _row_out(xhat, W, B, Y_row, cols, mask, HAS_W: tl.constexpr, HAS_B: tl.const
 
 @_jit
 def _row_stats(
-    X, R, H, MEAN_HI, MEAN_LO, RSTD,
-    stride_x, stride_r, stride_h, N, inv_n, eps,
+    X, R, H, STATS,
+    stride_x, stride_r, stride_h, M, N, inv_n, eps,
     CENTER: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Statistics of rows wider than one block (one program per row), chunk by chunk.
@@ -101,6 +116,7 @@ def _row_stats(
     recompute it from ``x`` and ``residual`` rather than read back what this program
     stored.
     """
+    MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, M, CENTER)
     row = tl.program_id(0).to(tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, N, BLOCK):
@@ -136,17 +152,19 @@ def _row_stats(
 
 @_jit
 def _row_fwd(
-    X, R, H, Y, W, B, MEAN_HI, MEAN_LO, RSTD,
-    stride_x, stride_r, stride_h, stride_y, N, inv_n, eps,
+    X, R, H, Y, W, B, STATS,
+    stride_x, stride_r, stride_h, stride_y, M, N, inv_n, eps,
     CENTER: tl.constexpr, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    SINGLE: tl.constexpr, BLOCK: tl.constexpr,
+    SINGLE: tl.constexpr, STORE_STATS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Normalize one row per program.
 
     ``SINGLE``: the row fits one block; it is read once, its statistics computed in
-    registers and stored. Otherwise the statistics come from :func:`_row_stats` and the
-    row is normalized chunk by chunk (reading ``h`` when there is a residual).
+    registers and, with ``STORE_STATS`` (a backward will need them), stored. Otherwise
+    the statistics come from :func:`_row_stats` and the row is normalized chunk by chunk
+    (reading ``h`` when there is a residual).
     """
+    MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, M, CENTER)
     row = tl.program_id(0).to(tl.int64)
     if SINGLE:
         cols = tl.arange(0, BLOCK)
@@ -161,13 +179,15 @@ def _row_fwd(
             var = tl.sum(d * d, axis=0) * inv_n - mean_lo * mean_lo
             var = tl.where(var < 0.0, 0.0, var)
             xc = d - mean_lo
-            tl.store(MEAN_HI + row, mean_hi)
-            tl.store(MEAN_LO + row, mean_lo)
+            if STORE_STATS:
+                tl.store(MEAN_HI + row, mean_hi)
+                tl.store(MEAN_LO + row, mean_lo)
         else:
             var = tl.sum(x * x, axis=0) * inv_n
             xc = x
         rstd = 1.0 / tl.sqrt(var + eps)
-        tl.store(RSTD + row, rstd)
+        if STORE_STATS:
+            tl.store(RSTD + row, rstd)
         _row_out(xc * rstd, W, B, Y + row * stride_y, cols, mask, HAS_W, HAS_B)
     else:
         rstd = tl.load(RSTD + row)
@@ -197,11 +217,15 @@ def _row_xhat(X, MEAN_HI, MEAN_LO, RSTD, row, x_off, mask, CENTER: tl.constexpr)
 
 @_jit
 def _row_bwd_coeffs(
-    X, DY, W, MEAN_HI, MEAN_LO, RSTD, C1, C2,
-    stride_x, stride_dy, N, inv_n,
+    X, DY, W, STATS, COEFFS,
+    stride_x, stride_dy, M, N, inv_n,
     CENTER: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Per-row ``c1 = mean(g * xhat)`` and ``c2 = mean(g)``, ``g = dy * w``, of wide rows."""
+    """Per-row ``c1 = mean(g * xhat)`` and ``c2 = mean(g)``, ``g = dy * w``, of wide rows,
+    into the rows of ``COEFFS`` (``(2, M)``; ``(1, M)``, ``c1`` alone, without centering)."""
+    MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, M, CENTER)
+    C1 = COEFFS
+    C2 = COEFFS + M
     row = tl.program_id(0).to(tl.int64)
     acc_gx = tl.zeros([BLOCK], dtype=tl.float32)
     acc_g = tl.zeros([BLOCK], dtype=tl.float32)
@@ -221,7 +245,7 @@ def _row_bwd_coeffs(
 
 @_jit
 def _row_bwd(
-    X, DY, DH, DX, DR, W, MEAN_HI, MEAN_LO, RSTD, C1, C2, DW, DB,
+    X, DY, DH, DX, DR, W, STATS, COEFFS, PARTS,
     stride_x, stride_dy, stride_dh, stride_dx, stride_dr, M, N, inv_n, rows_per_program,
     CENTER: tl.constexpr, HAS_W: tl.constexpr, STORE_DW: tl.constexpr, STORE_DB: tl.constexpr,
     HAS_DH: tl.constexpr, STORE_DR: tl.constexpr, SINGLE: tl.constexpr, BLOCK: tl.constexpr,
@@ -232,9 +256,18 @@ def _row_bwd(
     centering), plus the gradient ``dh`` flowing into the new residual stream. Program
     ``p`` owns rows ``[p * rows_per_program, (p + 1) * rows_per_program)`` and row ``p``
     of the ``(programs, N)`` float32 partials ``DW`` (``sum dy * xhat``) and ``DB``
-    (``sum dy``), kept in registers chunk by chunk. ``c1``/``c2`` come from the row
-    itself when it fits one block (``SINGLE``), else from :func:`_row_bwd_coeffs`.
+    (``sum dy``), kept in registers chunk by chunk: ``PARTS`` holds ``DW`` then ``DB``
+    (either alone when the other is not stored). ``c1``/``c2`` come from the row itself
+    when it fits one block (``SINGLE``), else from :func:`_row_bwd_coeffs` (``COEFFS``).
     """
+    MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, M, CENTER)
+    C1 = COEFFS
+    C2 = COEFFS + M
+    DW = PARTS
+    if STORE_DW:
+        DB = PARTS + tl.num_programs(0).to(tl.int64) * N
+    else:
+        DB = PARTS
     pid = tl.program_id(0).to(tl.int64)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)

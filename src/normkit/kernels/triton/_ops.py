@@ -3,10 +3,11 @@
 Each family has a forward launcher, a backward launcher and a
 :class:`torch.autograd.Function` that saves the input (or, with a residual, the new
 residual stream), the affine parameters and the float32 statistics
-``(mean_hi, mean_lo, rstd)``. A backward that must itself be differentiable
-(``create_graph=True``) differentiates normkit's reference instead, as the CPU path
-does, so higher-order gradients stay exact; so does the backward of statistics over fewer
-than ``normkit._stats.FEW_VALUES`` values each, in float64 (:func:`_few_values`).
+``(mean_hi, mean_lo, rstd)`` (for rows: the rows of one tensor). A backward that must
+itself be differentiable (``create_graph=True``) differentiates normkit's reference
+instead, as the CPU path does, so higher-order gradients stay exact; so does the backward
+of statistics over fewer than ``normkit._stats.FEW_VALUES`` values each, in float64
+(:func:`_few_values`).
 
 Tensors reach the kernels as views: rows ``(M, N)`` with unit column stride for
 LayerNorm/RMSNorm, ``(N, C, S)`` with any strides for GroupNorm/BatchNorm (NCHW, NHWC
@@ -184,51 +185,51 @@ def _row_config(n: int, block: int | None, single_up_to: int | None = None
 
 
 def rows_forward(x: Tensor, residual: Tensor | None, weight: Tensor | None,
-                 bias: Tensor | None, n: int, eps: float, center: bool, block: int | None):
-    """``(y, h, mean_hi, mean_lo, rstd)``: y and h (``x + residual`` or None) contiguous in
-    ``x``'s shape, the statistics float32 ``(M,)`` for the ``M = x.numel() / n`` rows
-    (RMSNorm has no mean: ``mean_hi`` and ``mean_lo`` are None)."""
+                 bias: Tensor | None, n: int, eps: float, center: bool, block: int | None,
+                 stats: bool = True):
+    """``(y, h, stats)``: y and h (``x + residual`` or None) contiguous in ``x``'s shape,
+    and the float32 statistics of the ``M = x.numel() / n`` rows as one ``(3, M)`` tensor,
+    rows ``mean_hi``, ``mean_lo``, ``rstd`` (RMSNorm: ``(1, M)``, ``rstd``), or None when
+    ``stats`` is False (nothing will differentiate the call: one-block rows then store
+    none, and a wide row's two passes keep theirs in a buffer of their own). One
+    allocation for the three, on a GPU host each costs ~7 us."""
     x2, stride_x = _rows(x, n)
     m = x.numel() // n
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    # (three tensors, not views of one: they are separate outputs of the operator)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    mean_hi = mean_lo = None
-    if center:
-        mean_hi = torch.empty(m, dtype=torch.float32, device=x.device)
-        mean_lo = torch.empty(m, dtype=torch.float32, device=x.device)
-    means = (rstd, rstd) if mean_hi is None else (mean_hi, mean_lo)  # (unread by RMSNorm)
+    size, single = _row_config(n, block, ROW_FWD_BLOCK)
+    buffer = None
+    if stats or not single:
+        buffer = torch.empty((3 if center else 1, m), dtype=torch.float32, device=x.device)
     r2, stride_r = x2, stride_x
     h = None
     if residual is not None:
         r2, stride_r = _rows(residual, n)
         h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
                         device=x.device)
-    size, single = _row_config(n, block, ROW_FWD_BLOCK)
     h_ = x2 if h is None else h
+    stats_ = x2 if buffer is None else buffer  # (unread without statistics to store)
     has_res = residual is not None
     warps = _warps(size) if size <= ROW_BLOCK else FWD_MAX_WARPS
     with _on_device(x):
         if not single:
-            _launch(K._row_stats, m, (x2, r2, h_, *means, rstd, stride_x, stride_r, n, n,
+            _launch(K._row_stats, m, (x2, r2, h_, stats_, stride_x, stride_r, n, m, n,
                                       1.0 / n, eps),
                     warps, CENTER=center, HAS_RES=has_res, BLOCK=size)
         _launch(K._row_fwd, m, (x2, r2, h_, y, x2 if weight is None else weight,
-                                x2 if bias is None else bias, *means, rstd, stride_x, stride_r,
-                                n, n, n, 1.0 / n, eps),
+                                x2 if bias is None else bias, stats_, stride_x, stride_r,
+                                n, n, m, n, 1.0 / n, eps),
                 warps, CENTER=center, HAS_RES=has_res, HAS_W=weight is not None,
-                HAS_B=bias is not None, SINGLE=single, BLOCK=size)
-    return y, h, mean_hi, mean_lo, rstd
+                HAS_B=bias is not None, SINGLE=single, STORE_STATS=buffer is not None,
+                BLOCK=size)
+    return y, h, buffer if stats else None
 
 
 def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | None,
-                  mean_hi: Tensor, mean_lo: Tensor, rstd: Tensor, n: int, center: bool,
-                  block: int | None, x_dtype: torch.dtype, r_dtype: torch.dtype | None,
-                  need_w: bool, need_b: bool):
+                  stats: Tensor, n: int, center: bool, block: int | None,
+                  x_dtype: torch.dtype, r_dtype: torch.dtype | None, need_w: bool,
+                  need_b: bool):
     """``(dx, dr, dw, db)``: dx and dr (or None) contiguous in ``src``'s shape, dw and db
-    float32 ``(n,)`` or None. RMSNorm's ``mean_hi``/``mean_lo`` may be None (or empty)."""
-    if not center:
-        mean_hi = mean_lo = rstd  # (pointers the kernels do not read without centering)
+    float32 ``(n,)`` or None. ``stats``: :func:`rows_forward`'s."""
     s2, stride_s = _rows(src, n)
     dy2, stride_dy = _rows(dy, n)
     dh2, stride_dh = (s2, stride_s) if dh is None else _rows(dh, n)
@@ -240,33 +241,31 @@ def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | N
     f32 = dict(dtype=torch.float32, device=src.device)
     dx = torch.empty(src.shape, dtype=x_dtype, device=src.device)
     dr = None if r_dtype is None else torch.empty(src.shape, dtype=r_dtype, device=src.device)
-    # per-program partials: one buffer and one sum when both gradients are wanted
-    parts = torch.empty((2, programs, n), **f32) if need_w and need_b else None
-    if parts is not None:
-        dw_part, db_part = parts
-    else:
-        dw_part = torch.empty((programs, n), **f32) if need_w else None
-        db_part = torch.empty((programs, n), **f32) if need_b else None
-    c1, c2 = (rstd, rstd) if single else torch.empty((2, m), **f32)
+    # per-program partials, dw's then db's: one buffer and one sum for both gradients
+    wanted = need_w + need_b
+    parts = torch.empty((wanted, programs, n), **f32) if wanted else None
+    coeffs = stats if single else torch.empty((2 if center else 1, m), **f32)
     w_ = s2 if weight is None else weight
     warps = _warps(size)
     with _on_device(src):
         if not single:
-            _launch(K._row_bwd_coeffs, m, (s2, dy2, w_, mean_hi, mean_lo, rstd, c1, c2,
-                                           stride_s, stride_dy, n, 1.0 / n),
+            _launch(K._row_bwd_coeffs, m, (s2, dy2, w_, stats, coeffs, stride_s, stride_dy, m,
+                                           n, 1.0 / n),
                     warps, CENTER=center, HAS_W=weight is not None, BLOCK=size)
         _launch(K._row_bwd, programs,
-                (s2, dy2, dh2, dx, dx if dr is None else dr, w_, mean_hi, mean_lo, rstd, c1, c2,
-                 rstd if dw_part is None else dw_part, rstd if db_part is None else db_part,
-                 stride_s, stride_dy, stride_dh, n, n, m, n, 1.0 / n, per_program),
+                (s2, dy2, dh2, dx, dx if dr is None else dr, w_, stats, coeffs,
+                 stats if parts is None else parts, stride_s, stride_dy, stride_dh, n, n, m, n,
+                 1.0 / n, per_program),
                 warps, CENTER=center, HAS_W=weight is not None, STORE_DW=need_w,
                 STORE_DB=need_b, HAS_DH=dh is not None, STORE_DR=dr is not None, SINGLE=single,
                 BLOCK=size)
-    if parts is not None:
-        dw, db = parts.sum(1)
-    else:
-        dw = None if dw_part is None else dw_part.sum(0)
-        db = None if db_part is None else db_part.sum(0)
+    dw = db = None
+    if wanted == 2:
+        dw, db = parts.sum(1).unbind(0)
+    elif need_w:
+        dw = parts.sum((0, 1))
+    elif need_b:
+        db = parts.sum((0, 1))
     return dx, dr, dw, db
 
 
@@ -323,9 +322,8 @@ def _rows_forward_any(x, residual, weight, bias, n, eps, center, block):
     """:func:`rows_forward`, through its operator while torch.compile traces."""
     if not torch.compiler.is_compiling():
         return rows_forward(x, residual, weight, bias, n, eps, center, block)
-    y, h, mean_hi, mean_lo, rstd = OPS.triton_rows_fwd(x, residual, weight, bias, n, eps,
-                                                       center, block)
-    return y, None if residual is None else h, mean_hi, mean_lo, rstd
+    y, h, stats = OPS.triton_rows_fwd(x, residual, weight, bias, n, eps, center, block)
+    return y, None if residual is None else h, stats
 
 
 def _like(grad: Tensor, t: Tensor) -> Tensor:
@@ -343,16 +341,15 @@ class RowNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, ndim, eps, center, block):
         n = x.shape[x.dim() - ndim:].numel()
-        y, h, mean_hi, mean_lo, rstd = _rows_forward_any(x, residual, weight, bias, n, eps,
-                                                         center, block)
-        ctx.save_for_backward(x if h is None else h, weight, bias, mean_hi, mean_lo, rstd)
+        y, h, stats = _rows_forward_any(x, residual, weight, bias, n, eps, center, block)
+        ctx.save_for_backward(x if h is None else h, weight, bias, stats)
         ctx.meta = (n, ndim, eps, center, block, x.dtype,
                     None if residual is None else residual.dtype)
         return y if h is None else (y, h)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
-        src, weight, bias, mean_hi, mean_lo, rstd = ctx.saved_tensors
+        src, weight, bias, stats = ctx.saved_tensors
         n, ndim, eps, center, block, x_dtype, r_dtype = ctx.meta
         need_x, need_r, need_w, need_b = ctx.needs_input_grad[:4]
         need_w, need_b = need_w and weight is not None, need_b and bias is not None
@@ -377,12 +374,11 @@ class RowNormFunction(torch.autograd.Function):
                     None, None, None, None)
         r_dtype = r_dtype if need_r else None
         if torch.compiler.is_compiling():
-            dx, dr, dw, db = OPS.triton_rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd,
-                                                 n, center, block, x_dtype, r_dtype, need_w,
-                                                 need_b)
+            dx, dr, dw, db = OPS.triton_rows_bwd(src, dy, dh, weight, stats, n, center, block,
+                                                 x_dtype, r_dtype, need_w, need_b)
         else:
-            dx, dr, dw, db = rows_backward(src, dy, dh, weight, mean_hi, mean_lo, rstd, n,
-                                           center, block, x_dtype, r_dtype, need_w, need_b)
+            dx, dr, dw, db = rows_backward(src, dy, dh, weight, stats, n, center, block,
+                                           x_dtype, r_dtype, need_w, need_b)
         return (dx if need_x else None, dr if need_r else None,
                 _like(dw, weight) if need_w else None, _like(db, bias) if need_b else None,
                 None, None, None, None)
@@ -702,11 +698,10 @@ class BatchNormEvalFunction(torch.autograd.Function):
 _LIB = torch.library.Library("normkit", "FRAGMENT")
 _SCHEMAS = {
     "triton_rows_fwd": "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, int n, "
-                       "float eps, bool center, int? block) "
-                       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    "triton_rows_bwd": "(Tensor src, Tensor dy, Tensor? dh, Tensor? weight, Tensor mean_hi, "
-                       "Tensor mean_lo, Tensor rstd, int n, bool center, int? block, "
-                       "ScalarType x_dtype, ScalarType? r_dtype, bool need_w, bool need_b) "
+                       "float eps, bool center, int? block) -> (Tensor, Tensor, Tensor)",
+    "triton_rows_bwd": "(Tensor src, Tensor dy, Tensor? dh, Tensor? weight, Tensor stats, "
+                       "int n, bool center, int? block, ScalarType x_dtype, "
+                       "ScalarType? r_dtype, bool need_w, bool need_b) "
                        "-> (Tensor, Tensor, Tensor, Tensor)",
     "triton_gn_fwd": "(Tensor x, int groups, Tensor? weight, Tensor? bias, float eps, int act, "
                      "int? block) -> (Tensor, Tensor, Tensor, Tensor)",
@@ -726,38 +721,33 @@ def _none_as_empty(t: Tensor | None, like: Tensor) -> Tensor:
 
 
 def _rows_fwd(x, residual, weight, bias, n, eps, center, block):
-    y, h, mean_hi, mean_lo, rstd = rows_forward(x, residual, weight, bias, n, eps, center,
-                                                block)
-    return (y, _none_as_empty(h, y), _none_as_empty(mean_hi, rstd),
-            _none_as_empty(mean_lo, rstd), rstd)
+    y, h, stats = rows_forward(x, residual, weight, bias, n, eps, center, block)
+    return y, _none_as_empty(h, y), stats
 
 
 def _rows_fwd_fake(x, residual, weight, bias, n, eps, center, block):
-    m = x.numel() // n
     y = x.new_empty(x.shape)
     h = (y.new_empty(0) if residual is None
          else x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
-    f32 = dict(dtype=torch.float32)
-    return (y, h, x.new_empty(m if center else 0, **f32), x.new_empty(m if center else 0, **f32),
-            x.new_empty(m, **f32))
+    return y, h, x.new_empty((3 if center else 1, x.numel() // n), dtype=torch.float32)
 
 
-def _rows_bwd(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center, block, x_dtype,
-              r_dtype, need_w, need_b):
-    dx, dr, dw, db = rows_backward(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center,
-                                   block, x_dtype, r_dtype, need_w, need_b)
+def _rows_bwd(src, dy, dh, weight, stats, n, center, block, x_dtype, r_dtype, need_w,
+              need_b):
+    dx, dr, dw, db = rows_backward(src, dy, dh, weight, stats, n, center, block, x_dtype,
+                                   r_dtype, need_w, need_b)
     if dw is not None and db is not None:
         db = db.clone()  # (an operator's outputs must not alias: they are rows of one sum)
-    return dx, _none_as_empty(dr, dx), _none_as_empty(dw, rstd), _none_as_empty(db, rstd)
+    return dx, _none_as_empty(dr, dx), _none_as_empty(dw, stats), _none_as_empty(db, stats)
 
 
-def _rows_bwd_fake(src, dy, dh, weight, mean_hi, mean_lo, rstd, n, center, block, x_dtype,
-                   r_dtype, need_w, need_b):
+def _rows_bwd_fake(src, dy, dh, weight, stats, n, center, block, x_dtype, r_dtype, need_w,
+                   need_b):
     dx = src.new_empty(src.shape, dtype=x_dtype)
     dr = dx.new_empty(0) if r_dtype is None else src.new_empty(src.shape, dtype=r_dtype)
     f32 = dict(dtype=torch.float32)
-    return (dx, dr, rstd.new_empty(n if need_w else 0, **f32),
-            rstd.new_empty(n if need_b else 0, **f32))
+    return (dx, dr, stats.new_empty(n if need_w else 0, **f32),
+            stats.new_empty(n if need_b else 0, **f32))
 
 
 def _gn_fwd(x, groups, weight, bias, eps, act, block):
