@@ -283,6 +283,111 @@ def test_rows_residual(op, x_dtype, r_dtype, block):
         close(got[3], want_b, x_dtype, "db")
 
 
+# ------------------------------------------------------ LayerNorm2d (channels-first)
+
+LN2D_CASES = {
+    "nchw": ((2, 6, 5, 3), "nchw", F32, None, (True, True)),
+    "nhwc-rows": ((2, 6, 5, 3), "nhwc", F32, None, (True, True)),
+    "nchw-chunked": ((2, 6, 5, 3), "nchw", F32, 16, (True, True)),
+    "nchw-chunked-many": ((2, 40, 3, 3), "nchw", F32, 64, (True, True)),
+    "nchw-fp16": ((2, 6, 5, 3), "nchw", F16, None, (True, True)),
+    "nchw-bf16-chunked": ((3, 9, 4, 2), "nchw", BF16, 8, (True, True)),
+    "3d": ((3, 7, 11), None, F32, None, (True, True)),
+    "3d-weight-only": ((3, 7, 11), None, F32, None, (True, False)),
+    "nchw-bias-only-chunked": ((2, 6, 5, 3), "nchw", F32, 16, (False, True)),
+    "nchw-no-affine": ((2, 6, 5, 3), "nchw", F32, None, (False, False)),
+    "2d": ((5, 12), None, F32, None, (True, True)),
+}
+
+
+@pytest.mark.parametrize("case", LN2D_CASES.values(), ids=LN2D_CASES.keys())
+def test_layer_norm2d(case):
+    """Each position normalized over its channels, at an offset of 1e3: the output keeps the
+    input's layout; forward and every gradient against the float64 reference. NCHW takes
+    the channels-first kernels (one tile, or chunks of channels with a small ``block``),
+    channels-last the row kernels on its channels-innermost view."""
+    shape, layout, dtype, block, (has_w, has_b) = case
+    torch.manual_seed(5)
+    c = shape[1]
+    x = rand(*shape, dtype=dtype, layout=layout, offset=1e3 if dtype == F32 else 0.5)
+    w, b = param(c, dtype, has_w), param(c, dtype, has_b)
+    y = tk.layer_norm2d(x, w, b, 1e-5, block=block)
+    assert y.dtype == dtype and y.shape == x.shape and y.stride() == x.stride()
+    xd, wd, bd = leaves(x, w, b)
+    yd = F.layer_norm(xd.movedim(1, -1), (c,), wd, bd, 1e-5).movedim(-1, 1)
+    close(y, yd, dtype, "y")
+    dy = torch.randn_like(y)
+    got = grads(y, [x, w, b], dy)
+    assert got[0].stride() == x.stride()
+    for name, g, want in zip("xwb", got, grads(yd, [xd, wd, bd], dy.double()), strict=True):
+        if want is not None:
+            close(g, want, dtype, f"d{name}")
+
+
+def test_layer_norm2d_launches_by_layout(monkeypatch):
+    """NCHW runs the channels-first kernels (one tile: forward and backward one launch each;
+    chunks of channels: the backward's coefficients first); channels-last the rows."""
+    from normkit.kernels.triton import _ops
+
+    launched = []
+    launch = _ops._launch
+
+    def record(kernel, grid, args, num_warps=4, **constexprs):
+        launched.append((kernel.__name__, constexprs.get("SINGLE")))
+        return launch(kernel, grid, args, num_warps, **constexprs)
+
+    monkeypatch.setattr(_ops, "_launch", record)
+    for layout, block, want in (
+            ("nchw", None, [("_cf_fwd", True), ("_cf_bwd", True)]),
+            ("nchw", 16, [("_cf_fwd", False), ("_cf_bwd_coeffs", None), ("_cf_bwd", False)]),
+            ("nhwc", None, [("_row_fwd", True), ("_row_bwd", True)])):
+        launched.clear()
+        x = rand(2, 6, 5, 3, layout=layout)
+        tk.layer_norm2d(x, param(6), param(6), block=block).sum().backward()
+        assert launched == want, (layout, block, launched)
+
+
+def test_layer_norm2d_through_functional_and_its_checks():
+    """``normkit.functional.layer_norm2d(backend="triton")`` runs these kernels (the same
+    bits); what they cannot serve is refused, saying why."""
+    import normkit.functional as NF
+
+    x = rand(2, 6, 5, 3)
+    w, b = param(6), param(6)
+    assert torch.equal(NF.layer_norm2d(x, w, b, backend="triton"), tk.layer_norm2d(x, w, b))
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16 input, got float64"):
+        tk.layer_norm2d(x.double())
+    with pytest.raises(ValueError, match="weight with 6 elements"):
+        tk.layer_norm2d(x, torch.ones(5, device=DEVICE))
+    with pytest.raises(ValueError, match=r"input of shape \(N, C, \*\), got a 1D input"):
+        tk.layer_norm2d(x[0, 0, 0])
+    assert tk.supports_layer_norm2d(x, w, b) and not tk.supports_layer_norm2d(x, w[:5])
+
+
+def test_layer_norm2d_few_channels_and_double_backward():
+    """Two channels (statistics over few values) and create_graph=True: the reference's
+    backward, in float64 for the first, differentiable for the second."""
+    torch.manual_seed(6)
+    x, w, b = rand(2, 2, 3, 4), param(2), param(2)
+    y = tk.layer_norm2d(x, w, b)
+    xd, wd, bd = leaves(x, w, b)
+    yd = F.layer_norm(xd.movedim(1, -1), (2,), wd, bd).movedim(-1, 1)
+    dy = torch.randn_like(y)
+    for name, g, want in zip("xwb", grads(y, [x, w, b], dy), grads(yd, [xd, wd, bd],
+                                                                     dy.double()), strict=True):
+        close(g, want, F32, f"d{name}")
+    x, w = rand(2, 5, 3, 4), param(5)
+    xd, wd = leaves(x, w)
+    dy = torch.randn_like(x)
+    gx, = torch.autograd.grad(tk.layer_norm2d(x, w), x, dy, create_graph=True)
+    gxd, = torch.autograd.grad(F.layer_norm(xd.movedim(1, -1), (5,), wd).movedim(-1, 1), xd,
+                               dy.double(), create_graph=True)
+    close(gx, gxd, F32, "dx")
+    v = torch.randn_like(x)
+    close(torch.autograd.grad(gx, w, v)[0], torch.autograd.grad(gxd, wd, v.double())[0], F32,
+          "d(dx)/dw")
+
+
 # ---------------------------------------------------------------------------- GroupNorm
 
 GN_CASES = {
@@ -415,6 +520,8 @@ INFERENCE_CASES = {
     "ln": lambda x, w, b: tk.layer_norm(x, (3,), w[:3], b[:3]),
     "rms": lambda x, w, b: tk.rms_norm(x, (3,), w[:3], block=2),
     "rms-single": lambda x, w, b: tk.rms_norm(x, (2, 3), w.view(2, 3), residual=x * 0.5),
+    "ln2d": lambda x, w, b: tk.layer_norm2d(x, w, b),
+    "ln2d-chunked": lambda x, w, b: tk.layer_norm2d(x, w, b, block=8),
     "gn-silu": lambda x, w, b: tk.group_norm(x, 3, w, b, act="silu"),
     "bn-train": lambda x, w, b: tk.batch_norm_train(x, w, b, block=8),
     "bn-eval-float64-buffers": lambda x, w, b: tk.batch_norm_eval(
@@ -662,7 +769,13 @@ def _operator_samples():
     gw, gb = param(4).detach(), param(4).detach()
     _, gmh, gml, grstd = OPS.triton_gn_fwd(g, 2, gw, gb, 1e-5, 1, None)
     bmh, bml, _, brstd = OPS.triton_bn_stats(g, 1e-5, 64)
+    xc = rand(3, 4, 5, 5, grad=False)
+    _, cstats = OPS.triton_cf_fwd(xc, gw, gb, 1e-5, None)
     return {
+        "triton_cf_fwd": (xc, gw, gb, 1e-5, None),
+        "triton_cf_fwd-nhwc-chunked": (g, None, None, 1e-5, 16),
+        "triton_cf_bwd": (xc, torch.randn_like(xc), gw, cstats, None, True, True),
+        "triton_cf_bwd-weight-only": (xc, torch.randn_like(xc), gw, cstats, None, True, False),
         "triton_rows_fwd": (x, r, w, b, 33, 1e-5, True, 16),
         "triton_rows_fwd-rms-plain": (x, None, None, None, 33, 1e-5, False, None),
         "triton_rows_bwd": (h, dy, dy, w, stats, 33, True, 16, x.dtype, r.dtype, True, True),
@@ -678,7 +791,8 @@ def _operator_samples():
 
 
 OPERATOR_CASES = ["triton_rows_fwd", "triton_rows_fwd-rms-plain", "triton_rows_bwd",
-                  "triton_rows_bwd-no-residual", "triton_gn_fwd", "triton_gn_bwd",
+                  "triton_rows_bwd-no-residual", "triton_cf_fwd", "triton_cf_fwd-nhwc-chunked",
+                  "triton_cf_bwd", "triton_cf_bwd-weight-only", "triton_gn_fwd", "triton_gn_bwd",
                   "triton_gn_bwd-plain", "triton_bn_stats", "triton_bn_apply", "triton_bn_bwd"]
 
 
@@ -699,13 +813,14 @@ class _Block(torch.nn.Module):
         import normkit
 
         self.bn = normkit.BatchNorm2d(4, backend=backend)
+        self.ln2d = normkit.LayerNorm2d(4, backend=backend)
         self.gn = normkit.GroupNormAct(2, 4, act="silu", backend=backend)
         self.ln = normkit.LayerNorm(100, backend=backend)
         self.add_rms = normkit.AddRMSNorm(100, backend=backend)
         self.add_ln = normkit.AddLayerNorm(100, backend=backend)
 
     def forward(self, x):
-        h = self.gn(self.bn(x)).flatten(1)  # (N, 4 * 25)
+        h = self.gn(self.ln2d(self.bn(x))).flatten(1)  # (N, 4 * 25)
         y, stream = self.add_rms(self.ln(h), h)
         y, stream = self.add_ln(y, stream)
         return y + stream
@@ -740,7 +855,8 @@ def test_fullgraph_compile_runs_the_registered_kernels(training):
         expected = {"triton_rows_fwd", "triton_rows_bwd"}
         if backend == "triton":  # ("auto" on CUDA: torch's BatchNorm/GroupNorm kernels)
             expected |= {"triton_gn_fwd", "triton_gn_bwd", "triton_bn_apply", "triton_bn_bwd",
-                         "triton_bn_stats" if training else "triton_bn_apply"}
+                         "triton_bn_stats" if training else "triton_bn_apply",
+                         "triton_cf_fwd", "triton_cf_bwd"}
         assert ops == expected, (backend, sorted(ops))
 
 
@@ -1049,12 +1165,12 @@ def test_fuzz_row_kernels(op, data):
 
 
 @_FUZZ
-@given(op=st.sampled_from(["gn", "bn", "bn-eval"]), data=st.data())
+@given(op=st.sampled_from(["gn", "bn", "bn-eval", "ln2d"]), data=st.data())
 @_replayable
 def test_fuzz_channel_kernels(op, data):
-    """GroupNorm (with SiLU), training BatchNorm and inference BatchNorm on drawn ranks
-    (2D to 5D), channel counts, groups, blocks, layouts (NHWC too), dtypes and parameter
-    dtypes."""
+    """GroupNorm (with SiLU), training BatchNorm, inference BatchNorm and LayerNorm2d on
+    drawn ranks (2D to 5D), channel counts, groups, blocks, layouts (NHWC too), dtypes
+    and parameter dtypes."""
     dtype = data.draw(st.sampled_from([F32, F16, BF16]))
     c = data.draw(st.sampled_from([1, 2, 3, 6, 8, 12]))
     n = data.draw(st.sampled_from([1, 2, 3, 5]))
@@ -1081,6 +1197,9 @@ def test_fuzz_channel_kernels(op, data):
         yd = F.group_norm(xd, groups, unit, bd, 1e-5)
         yd = F.silu(yd) if act == "silu" else yd
         what += f" groups {groups} act {act}"
+    elif op == "ln2d":
+        y = tk.layer_norm2d(x, w, b, 1e-5, block=block)
+        yd = F.layer_norm(xd.movedim(1, -1), (c,), unit, bd, 1e-5).movedim(-1, 1)
     elif op == "bn":
         y, mean, var = tk.batch_norm_train(x, w, b, 1e-5, block=block)
         dims = (0, *range(2, x.dim()))

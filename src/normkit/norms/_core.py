@@ -739,7 +739,8 @@ def normalize(
     check_backend(backend)
     if backend == "triton":
         raise ValueError("backend='triton' has no kernel for this normalization; expected one "
-                         "of layer_norm, rms_norm, group_norm, batch_norm (or backend='auto')")
+                         "of layer_norm, rms_norm, layer_norm2d, group_norm, batch_norm (or "
+                         "backend='auto')")
     dims = tuple(d % x.dim() for d in dims)
     if backend == "reference" or (backend == "auto" and compiling()):
         return reference_normalize(x, dims, weight, bias, eps, center)

@@ -95,7 +95,9 @@ class LayerNorm2d(BackendMixin, nn.LayerNorm):
         eps: added to the variance. Default: ``1e-5``.
         elementwise_affine: learnable per-channel ``weight`` (and ``bias``). Default: ``True``.
         bias: learnable ``bias``. Default: ``True``.
-        backend: ``"auto"``, ``"eager"`` or ``"reference"``. Default: ``"auto"``.
+        backend: ``"auto"``, ``"eager"``, ``"reference"`` or ``"triton"`` (GPU kernels:
+            channels-first tiles read in place for NCHW input, the row kernels for
+            channels-last). Default: ``"auto"``.
 
     Shape:
         - Input: :math:`(N, C, *)`; output: same shape and memory format.

@@ -1,5 +1,6 @@
-"""Triton kernels: LayerNorm, RMSNorm (with residual add), GroupNorm (NCHW and NHWC, with
-SiLU) and BatchNorm (statistics and apply, NCHW and NHWC), forward and backward.
+"""Triton kernels: LayerNorm, RMSNorm (with residual add), LayerNorm2d (channels-first
+LayerNorm), GroupNorm (NCHW and NHWC, with SiLU) and BatchNorm (statistics and apply, NCHW
+and NHWC), forward and backward.
 
 This package is the ``"triton"`` backend of normkit's forward-time dispatch. For each
 op it offers a predicate that says whether the backend can serve an input, and the op
@@ -10,6 +11,7 @@ itself, a :class:`torch.autograd.Function` underneath:
 ``supports_rms_norm``       :func:`rms_norm` (optional residual add)
 ``supports_group_norm``     :func:`group_norm` (optional SiLU)
 ``supports_batch_norm``     :func:`batch_norm_train`, :func:`batch_norm_eval`
+``supports_layer_norm2d``   :func:`layer_norm2d` (channels-first LayerNorm)
 ==========================  =====================================================
 
 The ops raise a ValueError that says why when their predicate is False.
@@ -34,11 +36,11 @@ does not import ``triton``; the first predicate that needs it does.
 GPU target (sm_90 by default) on a machine without one.
 
 Under ``torch.compile``: every launcher is a registered operator
-(``torch.ops.normkit.triton_rows_fwd``, ``..._rows_bwd``, ``..._gn_fwd``, ``..._gn_bwd``,
-``..._bn_stats``, ``..._bn_apply``, ``..._bn_bwd``) with a fake implementation, so a
-compiled model (``fullgraph=True`` included) keeps the kernels as opaque graph nodes and
-computes what eager mode computes. The device checks below are constants of the process
-for the compiler.
+(``torch.ops.normkit.triton_rows_fwd``, ``..._rows_bwd``, ``..._cf_fwd``, ``..._cf_bwd``,
+``..._gn_fwd``, ``..._gn_bwd``, ``..._bn_stats``, ``..._bn_apply``, ``..._bn_bwd``) with a
+fake implementation, so a compiled model (``fullgraph=True`` included) keeps the kernels
+as opaque graph nodes and computes what eager mode computes. The device checks below are
+constants of the process for the compiler.
 
 Example:
     The predicates are cheap; an op that cannot serve its input raises, saying why:
@@ -82,8 +84,10 @@ __all__ = [
     "supports_rms_norm",
     "supports_group_norm",
     "supports_batch_norm",
+    "supports_layer_norm2d",
     "layer_norm",
     "rms_norm",
+    "layer_norm2d",
     "group_norm",
     "batch_norm_train",
     "batch_norm_eval",
@@ -377,6 +381,22 @@ def supports_group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None
     return _problem_group(x, num_groups, weight, bias, act) is None
 
 
+def supports_layer_norm2d(x: Tensor, weight: Tensor | None = None,
+                          bias: Tensor | None = None) -> bool:
+    """True when :func:`layer_norm2d` can serve these arguments.
+
+    Example:
+        >>> supports_layer_norm2d(torch.randn(2, 3, 4, 4, dtype=torch.float64))
+        False
+    """
+    return _problem_layer_norm2d(x, weight, bias) is None
+
+
+def _problem_layer_norm2d(x, weight, bias) -> str | None:
+    problem = _problem_channels(x, weight, bias)
+    return problem if problem is not None else _problem_device(x)
+
+
 def supports_batch_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
                         running_mean: Tensor | None = None,
                         running_var: Tensor | None = None) -> bool:
@@ -484,6 +504,49 @@ def rms_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | 
         eps = torch.finfo(torch.float32).eps
     return _row_norm_unchecked(x, residual, weight, None, len(_as_shape(normalized_shape)),
                               eps, False, block)
+
+
+def layer_norm2d(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None,
+                 eps: float = 1e-5, *, block: int | None = None) -> Tensor:
+    r"""LayerNorm over the channels of ``(N, C, *)`` input (LayerNorm2d, as in ConvNeXt).
+
+    .. math:: y_{n,:,s} = \frac{x_{n,:,s} - \mathrm{E}_c[x_{n,:,s}]}
+              {\sqrt{\mathrm{Var}_c[x_{n,:,s}] + \epsilon}} \gamma + \beta
+
+    Every position of every sample is normalized over its ``C`` channels. Channels-last
+    input (channels innermost) runs the row kernels of :func:`layer_norm` on its
+    ``(N * S, C)`` view; NCHW and other layouts run channels-first kernels that read
+    ``[channels, positions]`` tiles in place (loads along the positions), with no copy to
+    a channels-innermost layout and back. The output keeps the input's memory format.
+
+    Args:
+        x: ``(N, C, *)``, float32/float16/bfloat16.
+        weight, bias: ``(C,)`` or ``None``.
+        eps: added to the variance. Default: ``1e-5``.
+        block: elements of one tile (channels-first) or largest row chunk (channels
+            innermost), a power of two; ``None`` chooses per device.
+
+    Example (needs a CUDA GPU, or the interpreter):
+        >>> y = layer_norm2d(torch.randn(8, 96, 56, 56, device="cuda"))  # doctest: +SKIP
+    """
+    _raise_if("layer_norm2d", _problem_layer_norm2d(x, weight, bias))
+    _check_block(block)
+    return _layer_norm2d_unchecked(x, weight, bias, eps, block)
+
+
+def _layer_norm2d_unchecked(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                            eps: float, block: int | None = None) -> Tensor:
+    """:func:`layer_norm2d` without the argument checks (for callers that asked
+    :func:`supports_layer_norm2d`)."""
+    from . import _ops
+
+    last = x.movedim(1, -1)
+    if last.is_contiguous():  # channels innermost: the rows of its (N * S, C) view
+        y = _row_norm_unchecked(last, None, weight, bias, 1, eps, True, block)
+        return y.movedim(-1, 1)
+    if _ops.records_graph(x, weight, bias):
+        return _ops.ChannelsFirstNormFunction.apply(x, weight, bias, float(eps), block)
+    return _ops.cf_forward(x, weight, bias, float(eps), block, stats=False)[0]
 
 
 def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None,

@@ -703,3 +703,201 @@ def _bn_bwd_dx(
         dy = dy - mean_dy[None, :] - xhat * mean_dyx[None, :]
     dx = dy * (rstd * w)[None, :]
     tl.store(DX + _bn_tile(r, c, S, son, sos, soc), dx.to(DX.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# Channels-first LayerNorm (LayerNorm2d of NCHW input) over (N, C, S) with any strides
+#
+# Each position ``p = n * S + s`` is normalized over its C channels, which lie ``sc``
+# apart (NCHW: S apart), so a program takes a [BLOCK_C, BLOCK_S] tile: BLOCK_S
+# neighbouring positions (contiguous along s for NCHW: coalesced loads) times the
+# channels, reduced along axis 0. ``SINGLE``: every channel in one tile, read once;
+# else the channels are walked in BLOCK_C chunks (statistics, then normalizing).
+# Statistics: one float32 buffer, rows mean_hi, mean_lo, rstd of P = N * S values
+# (:func:`_row_stat_rows`).
+# --------------------------------------------------------------------------------------
+
+
+@_jit
+def _cf_tile(n, s, c, C, S, sn, sc, ss):
+    """int64 offsets of channels ``c`` ([BLOCK_C]) times positions ``s`` ([BLOCK_S]) of
+    sample ``n``, and their mask."""
+    mask = (c < C)[:, None] & (s < S)[None, :]
+    offs = n * sn + c.to(tl.int64)[:, None] * sc + s[None, :] * ss
+    return offs, mask
+
+
+@_jit
+def _cf_out(xhat, W, B, Y, n, s, c, C, S, syn, syc, sys_, HAS_W: tl.constexpr,
+            HAS_B: tl.constexpr):
+    """Store ``xhat * w[c] + b[c]`` (affine optional) into a [BLOCK_C, BLOCK_S] tile."""
+    offs, mask = _cf_tile(n, s, c, C, S, syn, syc, sys_)
+    y = xhat
+    if HAS_W:
+        y = y * tl.load(W + c, mask=c < C, other=0.0).to(tl.float32)[:, None]
+    if HAS_B:
+        y = y + tl.load(B + c, mask=c < C, other=0.0).to(tl.float32)[:, None]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@_jit
+def _cf_fwd(
+    X, Y, W, B, STATS,
+    sxn, sxc, sxs, syn, syc, sys_, C, S, P, S_BLOCKS, inv_c, eps,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SINGLE: tl.constexpr,
+    STORE_STATS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Normalize BLOCK_S positions of one sample over their channels (compensated
+    two-pass moments, as the row kernels)."""
+    MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, P, True)
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid // S_BLOCKS
+    s = (pid - n * S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)
+    smask = s < S
+    p = n * S + s
+    if SINGLE:
+        c = tl.arange(0, BLOCK_C)
+        offs, mask = _cf_tile(n, s, c, C, S, sxn, sxc, sxs)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        mean_hi = tl.sum(x, axis=0) * inv_c
+        d = tl.where(mask, x - mean_hi[None, :], 0.0)
+        mean_lo = tl.sum(d, axis=0) * inv_c
+        var = tl.sum(d * d, axis=0) * inv_c - mean_lo * mean_lo
+        var = tl.where(var < 0.0, 0.0, var)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        _cf_out((d - mean_lo[None, :]) * rstd[None, :], W, B, Y, n, s, c, C, S, syn, syc, sys_,
+                HAS_W, HAS_B)
+    else:
+        acc = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            offs, mask = _cf_tile(n, s, c0 + tl.arange(0, BLOCK_C), C, S, sxn, sxc, sxs)
+            acc += tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        mean_hi = tl.sum(acc, axis=0) * inv_c
+        acc_d = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+        acc_dd = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            offs, mask = _cf_tile(n, s, c0 + tl.arange(0, BLOCK_C), C, S, sxn, sxc, sxs)
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            d = tl.where(mask, x - mean_hi[None, :], 0.0)
+            acc_d += d
+            acc_dd += d * d
+        mean_lo = tl.sum(acc_d, axis=0) * inv_c
+        var = tl.sum(acc_dd, axis=0) * inv_c - mean_lo * mean_lo
+        var = tl.where(var < 0.0, 0.0, var)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            offs, mask = _cf_tile(n, s, c, C, S, sxn, sxc, sxs)
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            xhat = ((x - mean_hi[None, :]) - mean_lo[None, :]) * rstd[None, :]
+            _cf_out(xhat, W, B, Y, n, s, c, C, S, syn, syc, sys_, HAS_W, HAS_B)
+    if STORE_STATS:
+        tl.store(MEAN_HI + p, mean_hi, mask=smask)
+        tl.store(MEAN_LO + p, mean_lo, mask=smask)
+        tl.store(RSTD + p, rstd, mask=smask)
+
+
+@_jit
+def _cf_xhat(X, MEAN_HI, MEAN_LO, RSTD, p, smask, offs, mask):
+    """A [BLOCK_C, BLOCK_S] tile of ``(x - mean) * rstd`` in float32 (0 where masked)."""
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    mean_hi = tl.load(MEAN_HI + p, mask=smask, other=0.0)
+    mean_lo = tl.load(MEAN_LO + p, mask=smask, other=0.0)
+    rstd = tl.load(RSTD + p, mask=smask, other=0.0)
+    return tl.where(mask, ((x - mean_hi[None, :]) - mean_lo[None, :]) * rstd[None, :], 0.0)
+
+
+@_jit
+def _cf_bwd_coeffs(
+    X, DY, W, STATS, COEFFS,
+    sxn, sxc, sxs, sdn, sdc, sds, C, S, P, S_BLOCKS, inv_c,
+    HAS_W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Per position ``c1 = mean(g * xhat)`` and ``c2 = mean(g)`` over the channels,
+    ``g = dy * w``, into the rows of ``COEFFS`` (``(2, P)``): for channels wider than one
+    tile."""
+    MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, P, True)
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid // S_BLOCKS
+    s = (pid - n * S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)
+    smask = s < S
+    p = n * S + s
+    acc_gx = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        offs, mask = _cf_tile(n, s, c, C, S, sxn, sxc, sxs)
+        xhat = _cf_xhat(X, MEAN_HI, MEAN_LO, RSTD, p, smask, offs, mask)
+        d_offs, _ = _cf_tile(n, s, c, C, S, sdn, sdc, sds)
+        g = tl.load(DY + d_offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            g = g * tl.load(W + c, mask=c < C, other=0.0).to(tl.float32)[:, None]
+        acc_gx += g * xhat
+        acc_g += g
+    tl.store(COEFFS + p, tl.sum(acc_gx, axis=0) * inv_c, mask=smask)
+    tl.store(COEFFS + P + p, tl.sum(acc_g, axis=0) * inv_c, mask=smask)
+
+
+@_jit
+def _cf_bwd(
+    X, DY, DX, W, STATS, COEFFS, PARTS,
+    sxn, sxc, sxs, sdn, sdc, sds, son, soc, sos, C, S, P, S_BLOCKS, TILES, tiles_per_program,
+    inv_c,
+    HAS_W: tl.constexpr, STORE_DW: tl.constexpr, STORE_DB: tl.constexpr,
+    SINGLE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Input gradient of channels-first LayerNorm, and per-program partial weight/bias
+    gradients.
+
+    ``dx = rstd * (g - xhat * c1 - c2)``, ``g = dy * w``, per position. Program ``q`` owns
+    tiles ``[q * tiles_per_program, (q + 1) * tiles_per_program)`` (tile ``t``: sample
+    ``t // S_BLOCKS``, positions block ``t % S_BLOCKS``) and row ``q`` of the
+    ``(programs, C)`` float32 partials ``sum dy * xhat`` and ``sum dy`` in ``PARTS`` (dw's,
+    then db's, as :func:`_row_bwd`). ``c1``/``c2`` from the tile itself when ``SINGLE``,
+    else from :func:`_cf_bwd_coeffs`.
+    """
+    MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, P, True)
+    DW = PARTS
+    if STORE_DW:
+        DB = PARTS + tl.num_programs(0).to(tl.int64) * C
+    else:
+        DB = PARTS
+    q = tl.program_id(0).to(tl.int64)
+    t_start = q * tiles_per_program
+    t_end = tl.minimum(t_start + tiles_per_program, TILES)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        cmask = c < C
+        if HAS_W:
+            w = tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)
+        acc_dw = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+        acc_db = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
+        for t in range(t_start, t_end):
+            n = t // S_BLOCKS
+            s = (t - n * S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)
+            smask = s < S
+            p = n * S + s
+            offs, mask = _cf_tile(n, s, c, C, S, sxn, sxc, sxs)
+            xhat = _cf_xhat(X, MEAN_HI, MEAN_LO, RSTD, p, smask, offs, mask)
+            d_offs, _ = _cf_tile(n, s, c, C, S, sdn, sdc, sds)
+            dy = tl.load(DY + d_offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                g = dy * w[:, None]
+            else:
+                g = dy
+            if SINGLE:
+                c1 = tl.sum(g * xhat, axis=0) * inv_c
+                c2 = tl.sum(g, axis=0) * inv_c
+            else:
+                c1 = tl.load(COEFFS + p, mask=smask, other=0.0)
+                c2 = tl.load(COEFFS + P + p, mask=smask, other=0.0)
+            rstd = tl.load(RSTD + p, mask=smask, other=0.0)
+            dx = (g - xhat * c1[None, :] - c2[None, :]) * rstd[None, :]
+            o_offs, _ = _cf_tile(n, s, c, C, S, son, soc, sos)
+            tl.store(DX + o_offs, dx.to(DX.dtype.element_ty), mask=mask)
+            acc_dw += dy * xhat
+            acc_db += dy
+        if STORE_DW:
+            tl.store(DW + q * C + c, tl.sum(acc_dw, axis=1), mask=cmask)
+        if STORE_DB:
+            tl.store(DB + q * C + c, tl.sum(acc_db, axis=1), mask=cmask)

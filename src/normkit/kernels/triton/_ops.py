@@ -65,6 +65,21 @@ MERGE_CHANNELS = 32
 #: than one, so the partial buffers and their merge are exercised by the CPU tests.
 INTERPRETER_PROGRAMS = 4
 
+#: Elements of one channels-first LayerNorm forward tile ([channels, positions]); a tile
+#: holding every channel of :data:`CF_MIN_POSITIONS` positions or more reads each value
+#: once, wider channel counts are walked in chunks. Not tuned (no GPU measurement yet).
+CF_TILE = 16384
+#: Elements of one channels-first LayerNorm backward tile (it keeps four tiles: x, dy and
+#: the two weight-gradient accumulators). Not tuned.
+CF_BWD_TILE = 4096
+#: Positions per channels-first tile, most and fewest: 32 float32 positions are one 128-byte
+#: line of each channel of NCHW input (the loads run along the positions).
+CF_POSITIONS = 32
+CF_MIN_POSITIONS = 8
+#: Programs per multiprocessor of the channels-first backward (each owns a run of tiles
+#: and one row of the weight-gradient partials). Not tuned.
+CF_BWD_PROGRAMS_PER_SM = 4
+
 ACTIVATIONS = {None: 0, "identity": 0, "silu": 1}
 
 #: When set, kernels are handed to ``launch_hook(kernel, grid, args, constexprs,
@@ -685,6 +700,128 @@ class BatchNormEvalFunction(torch.autograd.Function):
         return (*grads, None, None, None, None)
 
 
+# ------------------------------------------------------ channels-first LayerNorm
+
+
+def _cf_config(c: int, s: int, block: int | None, tile: int) -> tuple[int, int, bool]:
+    """``(BLOCK_C, BLOCK_S, single)`` of a channels-first tile of at most ``block`` (or
+    ``tile``) elements: every channel of at least :data:`CF_MIN_POSITIONS` positions when
+    they fit (``single``), else chunks of channels times :data:`CF_POSITIONS` positions.
+
+    Example:
+        >>> _cf_config(64, 3136, None, 16384), _cf_config(4096, 49, None, 16384)
+        ((64, 32, True), (512, 32, False))
+    """
+    tile = tile if block is None else block
+    positions = next_pow2(s)
+    block_c = next_pow2(c)
+    least = min(positions, CF_MIN_POSITIONS)
+    if block_c * least <= tile:
+        return block_c, max(least, min(positions, CF_POSITIONS, tile // block_c)), True
+    block_s = min(positions, CF_POSITIONS, tile)
+    return max(1, tile // block_s), block_s, False
+
+
+def cf_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+               block: int | None, stats: bool = True):
+    """``(y, stats)`` of LayerNorm over dim 1 of ``(N, C, *)`` (channels-first: each
+    position normalized over its channels), ``y`` in ``x``'s layout; ``stats`` float32
+    ``(3, N * S)`` (rows ``mean_hi``, ``mean_lo``, ``rstd``), or None without ``stats``
+    (a single-tile call then stores none)."""
+    v = _ncs(x)
+    n, c, s = v.shape
+    y, yv = _empty_like_ncs(x)
+    block_c, block_s, single = _cf_config(c, s, block, CF_TILE)
+    s_blocks = _cdiv(s, block_s)
+    buffer = None
+    if stats or not single:
+        buffer = torch.empty((3, n * s), dtype=torch.float32, device=x.device)
+    with _on_device(x):
+        _launch(K._cf_fwd, n * s_blocks,
+                (v, yv, _or(weight, v), _or(bias, v), _or(buffer, v), *v.stride(),
+                 *yv.stride(), c, s, n * s, s_blocks, 1.0 / c, eps),
+                _warps(block_c * block_s), HAS_W=weight is not None, HAS_B=bias is not None,
+                SINGLE=single, STORE_STATS=buffer is not None, BLOCK_C=block_c,
+                BLOCK_S=block_s)
+    return y, buffer if stats else None
+
+
+def cf_backward(x: Tensor, dy: Tensor, weight: Tensor | None, stats: Tensor,
+                block: int | None, need_w: bool, need_b: bool):
+    """``(dx, dw, db)`` of :func:`cf_forward`: dx in ``x``'s layout, dw and db float32
+    ``(C,)`` or None."""
+    v, dv = _ncs(x), _ncs(dy)
+    n, c, s = v.shape
+    dx, dxv = _empty_like_ncs(x)
+    block_c, block_s, single = _cf_config(c, s, block, CF_BWD_TILE)
+    s_blocks = _cdiv(s, block_s)
+    tiles = n * s_blocks
+    programs = min(tiles, _programs(x.device, CF_BWD_PROGRAMS_PER_SM))
+    per_program = _cdiv(tiles, programs)
+    programs = _cdiv(tiles, per_program)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    wanted = need_w + need_b
+    parts = torch.empty((wanted, programs, c), **f32) if wanted else None
+    coeffs = stats if single else torch.empty((2, n * s), **f32)
+    w_ = _or(weight, v)
+    warps = _warps(block_c * block_s)
+    with _on_device(x):
+        if not single:
+            _launch(K._cf_bwd_coeffs, tiles,
+                    (v, dv, w_, stats, coeffs, *v.stride(), *dv.stride(), c, s, n * s, s_blocks,
+                     1.0 / c),
+                    warps, HAS_W=weight is not None, BLOCK_C=block_c, BLOCK_S=block_s)
+        _launch(K._cf_bwd, programs,
+                (v, dv, dxv, w_, stats, coeffs, stats if parts is None else parts, *v.stride(),
+                 *dv.stride(), *dxv.stride(), c, s, n * s, s_blocks, tiles, per_program,
+                 1.0 / c),
+                warps, HAS_W=weight is not None, STORE_DW=need_w, STORE_DB=need_b,
+                SINGLE=single, BLOCK_C=block_c, BLOCK_S=block_s)
+    dw = db = None
+    if wanted == 2:
+        dw, db = parts.sum(1).unbind(0)
+    elif need_w:
+        dw = parts.sum((0, 1))
+    elif need_b:
+        db = parts.sum((0, 1))
+    return dx, dw, db
+
+
+class ChannelsFirstNormFunction(torch.autograd.Function):
+    """LayerNorm over dim 1 of ``(N, C, *)`` input (LayerNorm2d), any layout."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, block):
+        if torch.compiler.is_compiling():
+            y, stats = OPS.triton_cf_fwd(x, weight, bias, eps, block)
+        else:
+            y, stats = cf_forward(x, weight, bias, eps, block)
+        ctx.save_for_backward(x, weight, bias, stats)
+        ctx.meta = (eps, block)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, stats = ctx.saved_tensors
+        eps, block = ctx.meta
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        few = _few_values(x.shape[1])
+        if backward_by_reference(dy) or few:  # (and create_graph=True, batched gradients)
+            from ...norms._core import reference_normalize
+
+            grads = _reference_backward(x, lambda t: reference_normalize(t, (1,), eps=eps)[0],
+                                        _channel_shape(x), weight, bias, dy, 0,
+                                        (need_x, need_w, need_b), _WIDE[few])
+            return (*_cast_like(grads, (x, weight, bias)), None, None)
+        need_w, need_b = need_w and weight is not None, need_b and bias is not None
+        if torch.compiler.is_compiling():
+            dx, dw, db = OPS.triton_cf_bwd(x, dy, weight, stats, block, need_w, need_b)
+        else:
+            dx, dw, db = cf_backward(x, dy, weight, stats, block, need_w, need_b)
+        return (dx if need_x else None, _like(dw, weight) if need_w else None,
+                _like(db, bias) if need_b else None, None, None)
+
+
 # ---------------------------------------------------------------- torch.library ops
 #
 # Every launcher is also a ``normkit::triton_*`` operator, so torch.compile sees one
@@ -703,6 +840,10 @@ _SCHEMAS = {
                        "int n, bool center, int? block, ScalarType x_dtype, "
                        "ScalarType? r_dtype, bool need_w, bool need_b) "
                        "-> (Tensor, Tensor, Tensor, Tensor)",
+    "triton_cf_fwd": "(Tensor x, Tensor? weight, Tensor? bias, float eps, int? block) "
+                     "-> (Tensor, Tensor)",
+    "triton_cf_bwd": "(Tensor x, Tensor dy, Tensor? weight, Tensor stats, int? block, "
+                     "bool need_w, bool need_b) -> (Tensor, Tensor, Tensor)",
     "triton_gn_fwd": "(Tensor x, int groups, Tensor? weight, Tensor? bias, float eps, int act, "
                      "int? block) -> (Tensor, Tensor, Tensor, Tensor)",
     "triton_gn_bwd": "(Tensor x, Tensor dy, Tensor? weight, Tensor? bias, Tensor mean_hi, "
@@ -750,6 +891,28 @@ def _rows_bwd_fake(src, dy, dh, weight, stats, n, center, block, x_dtype, r_dtyp
             stats.new_empty(n if need_b else 0, **f32))
 
 
+def _cf_fwd(x, weight, bias, eps, block):
+    return cf_forward(x, weight, bias, eps, block)
+
+
+def _cf_fwd_fake(x, weight, bias, eps, block):
+    return (_empty_like_ncs(x)[0],
+            x.new_empty((3, x.shape[0] * x.shape[2:].numel()), dtype=torch.float32))
+
+
+def _cf_bwd(x, dy, weight, stats, block, need_w, need_b):
+    dx, dw, db = cf_backward(x, dy, weight, stats, block, need_w, need_b)
+    if dw is not None and db is not None:
+        db = db.clone()  # (an operator's outputs must not alias: they are rows of one sum)
+    return dx, _none_as_empty(dw, stats), _none_as_empty(db, stats)
+
+
+def _cf_bwd_fake(x, dy, weight, stats, block, need_w, need_b):
+    c = x.shape[1]
+    return (_empty_like_ncs(x)[0], stats.new_empty(c if need_w else 0),
+            stats.new_empty(c if need_b else 0))
+
+
 def _gn_fwd(x, groups, weight, bias, eps, act, block):
     return gn_forward(x, groups, weight, bias, eps, act, block)
 
@@ -795,6 +958,8 @@ def _bn_bwd_fake(x, dy, weight, mean_hi, mean_lo, rstd, train, block):
 _IMPLEMENTATIONS = {
     "triton_rows_fwd": (_rows_fwd, _rows_fwd_fake),
     "triton_rows_bwd": (_rows_bwd, _rows_bwd_fake),
+    "triton_cf_fwd": (_cf_fwd, _cf_fwd_fake),
+    "triton_cf_bwd": (_cf_bwd, _cf_bwd_fake),
     "triton_gn_fwd": (_gn_fwd, _gn_fwd_fake),
     "triton_gn_bwd": (_gn_bwd, _gn_bwd_fake),
     "triton_bn_stats": (bn_stats, _bn_stats_fake),

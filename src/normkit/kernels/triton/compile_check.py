@@ -93,6 +93,14 @@ def launches() -> dict[tuple, tuple]:
                     _ops.rows_forward(x, residual, w, b, n, 1e-5, center, block, stats=False)
             x = rand(4, 33)
             _ops.rows_forward(x, None, None, None, 33, 1e-5, center, None)  # no affine
+        for c, block in ((96, None), (768, None), (4096, None), (6, 16)):  # channels-first
+            x = rand(2, c, 5, 5, dtype=torch.bfloat16)
+            w, b = rand(c), rand(c)
+            _, stats = _ops.cf_forward(x, w, b, 1e-5, block)
+            for params in ((w, b), (None, None)):
+                _ops.cf_forward(x, *params, 1e-5, block, stats=False)
+                _ops.cf_backward(x, torch.randn_like(x), params[0], stats, block, True,
+                                 params[1] is not None)
         for act in (0, 1):
             for layout in (torch.contiguous_format, torch.channels_last):
                 x = rand(2, 8, 5, 5, dtype=torch.float16).contiguous(memory_format=layout)
