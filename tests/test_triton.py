@@ -154,6 +154,19 @@ def check_rows(op, x, w, b, eps=1e-5, block=None):
             close(got, want, dtype, f"d{name}")
 
 
+def check_channel_op(y, yd, inputs, refs, dtype):
+    """``y`` against its float64 reference ``yd``, then the gradients of ``inputs`` (x,
+    weight, bias; None skipped) against those of ``refs``; the input gradient keeps the
+    input's strides."""
+    close(y, yd, dtype, "y")
+    dy = torch.randn_like(y)
+    got = grads(y, list(inputs), dy)
+    assert got[0].stride() == inputs[0].stride()
+    for name, g, want in zip("xwb", got, grads(yd, list(refs), dy.double()), strict=True):
+        if want is not None:
+            close(g, want, dtype, f"d{name}")
+
+
 # ------------------------------------------------------------------- LayerNorm/RMSNorm
 
 ROW_CASES = [(1, None), (7, None), (33, None), (130, None), (33, 8), (130, 32)]
@@ -315,13 +328,7 @@ def test_layer_norm2d(case):
     assert y.dtype == dtype and y.shape == x.shape and y.stride() == x.stride()
     xd, wd, bd = leaves(x, w, b)
     yd = F.layer_norm(xd.movedim(1, -1), (c,), wd, bd, 1e-5).movedim(-1, 1)
-    close(y, yd, dtype, "y")
-    dy = torch.randn_like(y)
-    got = grads(y, [x, w, b], dy)
-    assert got[0].stride() == x.stride()
-    for name, g, want in zip("xwb", got, grads(yd, [xd, wd, bd], dy.double()), strict=True):
-        if want is not None:
-            close(g, want, dtype, f"d{name}")
+    check_channel_op(y, yd, (x, w, b), (xd, wd, bd), dtype)
 
 
 def test_layer_norm2d_launches_by_layout(monkeypatch):
@@ -415,13 +422,7 @@ def test_group_norm(case):
     xd, wd, bd = leaves(x, w, b)
     yd = F.group_norm(xd, groups, wd, bd, 1e-5)
     yd = F.silu(yd) if act == "silu" else yd
-    close(y, yd, dtype, "y")
-    dy = torch.randn_like(y)
-    got = grads(y, [x, w, b], dy)
-    assert got[0].stride() == x.stride()
-    for name, g, want in zip("xwb", got, grads(yd, [xd, wd, bd], dy.double()), strict=True):
-        if want is not None:
-            close(g, want, dtype, f"d{name}")
+    check_channel_op(y, yd, (x, w, b), (xd, wd, bd), dtype)
 
 
 # ---------------------------------------------------------------------------- BatchNorm

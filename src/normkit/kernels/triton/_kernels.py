@@ -84,6 +84,17 @@ def _row_stat_rows(STATS, M, CENTER: tl.constexpr):
 
 
 @_jit
+def _partial_rows(PARTS, width, STORE_DW: tl.constexpr):
+    """``(DW, DB)`` pointers into a ``(k, programs, width)`` float32 buffer of per-program
+    weight/bias gradient partials: dw's rows, then db's (either alone at the start when
+    the other is not stored). ``programs`` is the launch's grid size."""
+    DB = PARTS
+    if STORE_DW:
+        DB = PARTS + tl.num_programs(0).to(tl.int64) * width
+    return PARTS, DB
+
+
+@_jit
 def _row_input(X, R, H, x_off, r_off, mask, HAS_RES: tl.constexpr):
     """A chunk of the row input in float32: ``x``, or ``x + r`` rounded as ``H`` stores it."""
     x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
@@ -263,11 +274,7 @@ def _row_bwd(
     MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, M, CENTER)
     C1 = COEFFS
     C2 = COEFFS + M
-    DW = PARTS
-    if STORE_DW:
-        DB = PARTS + tl.num_programs(0).to(tl.int64) * N
-    else:
-        DB = PARTS
+    DW, DB = _partial_rows(PARTS, N, STORE_DW)
     pid = tl.program_id(0).to(tl.int64)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
@@ -857,11 +864,7 @@ def _cf_bwd(
     else from :func:`_cf_bwd_coeffs`.
     """
     MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, P, True)
-    DW = PARTS
-    if STORE_DW:
-        DB = PARTS + tl.num_programs(0).to(tl.int64) * C
-    else:
-        DB = PARTS
+    DW, DB = _partial_rows(PARTS, C, STORE_DW)
     q = tl.program_id(0).to(tl.int64)
     t_start = q * tiles_per_program
     t_end = tl.minimum(t_start + tiles_per_program, TILES)

@@ -239,6 +239,16 @@ def rows_forward(x: Tensor, residual: Tensor | None, weight: Tensor | None,
     return y, h, buffer if stats else None
 
 
+def _sum_partials(parts: Tensor | None, need_w: bool, need_b: bool
+                  ) -> tuple[Tensor | None, Tensor | None]:
+    """``(dw, db)`` from a ``(need_w + need_b, programs, width)`` buffer of per-program
+    partials (dw's rows first): one sum over the programs, and one split when both."""
+    if need_w and need_b:
+        return parts.sum(1).unbind(0)
+    total = None if parts is None else parts.sum((0, 1))
+    return (total, None) if need_w else (None, total)
+
+
 def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | None,
                   stats: Tensor, n: int, center: bool, block: int | None,
                   x_dtype: torch.dtype, r_dtype: torch.dtype | None, need_w: bool,
@@ -274,14 +284,7 @@ def rows_backward(src: Tensor, dy: Tensor, dh: Tensor | None, weight: Tensor | N
                 warps, CENTER=center, HAS_W=weight is not None, STORE_DW=need_w,
                 STORE_DB=need_b, HAS_DH=dh is not None, STORE_DR=dr is not None, SINGLE=single,
                 BLOCK=size)
-    dw = db = None
-    if wanted == 2:
-        dw, db = parts.sum(1).unbind(0)
-    elif need_w:
-        dw = parts.sum((0, 1))
-    elif need_b:
-        db = parts.sum((0, 1))
-    return dx, dr, dw, db
+    return (dx, dr, *_sum_partials(parts, need_w, need_b))
 
 
 def _reference_backward(src: Tensor, normalize: Callable[[Tensor], Tensor],
@@ -777,14 +780,7 @@ def cf_backward(x: Tensor, dy: Tensor, weight: Tensor | None, stats: Tensor,
                  1.0 / c),
                 warps, HAS_W=weight is not None, STORE_DW=need_w, STORE_DB=need_b,
                 SINGLE=single, BLOCK_C=block_c, BLOCK_S=block_s)
-    dw = db = None
-    if wanted == 2:
-        dw, db = parts.sum(1).unbind(0)
-    elif need_w:
-        dw = parts.sum((0, 1))
-    elif need_b:
-        db = parts.sum((0, 1))
-    return dx, dw, db
+    return (dx, *_sum_partials(parts, need_w, need_b))
 
 
 class ChannelsFirstNormFunction(torch.autograd.Function):
