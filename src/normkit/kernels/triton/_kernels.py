@@ -527,8 +527,13 @@ def _gn_bwd_dx(
 
 
 @_jit
-def _bn_tile(r, c, S, sn, ss_, sc_):
-    """int64 offsets of positions ``r`` (flat over N, S) times channels ``c``."""
+def _bn_tile(r, c, S, sn, ss_, sc_, MERGED: tl.constexpr):
+    """int64 offsets of positions ``r`` (flat over N, S) times channels ``c``. ``MERGED``:
+    the samples' positions are one run of stride ``ss_`` (``sn == S * ss_``, as in
+    channels-last, or one sample), so ``r`` indexes them directly, with no 64-bit
+    division per position."""
+    if MERGED:
+        return (r * ss_)[:, None] + c.to(tl.int64)[None, :] * sc_
     n = r // S
     s = r - n * S
     return (n * sn + s * ss_)[:, None] + c.to(tl.int64)[None, :] * sc_
@@ -538,7 +543,7 @@ def _bn_tile(r, c, S, sn, ss_, sc_):
 def _bn_stats(
     X, PMEAN_HI, PMEAN_LO, PM2,
     sxn, sxc, sxs, C, S, R, rows_per_program, C_BLOCKS,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    MERGED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Compensated mean and ``M2 = sum (x - mean)**2`` of a chunk of each channel."""
     pid = tl.program_id(0).to(tl.int64)
@@ -552,14 +557,16 @@ def _bn_stats(
     for r0 in range(r_start, r_end, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         mask = (r < r_end)[:, None] & cmask[None, :]
-        acc += tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
+        offs = _bn_tile(r, c, S, sxn, sxs, sxc, MERGED)
+        acc += tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     mean_hi = tl.sum(acc, axis=0) / count
     acc_d = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc_dd = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for r0 in range(r_start, r_end, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         mask = (r < r_end)[:, None] & cmask[None, :]
-        x = tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
+        offs = _bn_tile(r, c, S, sxn, sxs, sxc, MERGED)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         d = tl.where(mask, x - mean_hi[None, :], 0.0)
         acc_d += d
         acc_dd += d * d
@@ -640,7 +647,8 @@ def _bn_channel(MEAN_HI, MEAN_LO, RSTD, W, c, cmask, HAS_W: tl.constexpr):
 def _bn_fwd(
     X, Y, W, B, MEAN_HI, MEAN_LO, RSTD,
     sxn, sxc, sxs, syn, syc, sys_, C, S, R, C_BLOCKS,
-    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, MERGED: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """``((x - mean_hi) - mean_lo) * rstd * w + b`` on one [BLOCK_R, BLOCK_C] tile."""
     pid = tl.program_id(0).to(tl.int64)
@@ -650,18 +658,19 @@ def _bn_fwd(
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     mask = (r < R)[:, None] & cmask[None, :]
     mean_hi, mean_lo, rstd, w = _bn_channel(MEAN_HI, MEAN_LO, RSTD, W, c, cmask, HAS_W)
-    x = tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
+    offs = _bn_tile(r, c, S, sxn, sxs, sxc, MERGED)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     y = ((x - mean_hi[None, :]) - mean_lo[None, :]) * (rstd * w)[None, :]
     if HAS_B:
         y = y + tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + _bn_tile(r, c, S, syn, sys_, syc), y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + _bn_tile(r, c, S, syn, sys_, syc, MERGED), y.to(Y.dtype.element_ty), mask=mask)
 
 
 @_jit
 def _bn_bwd_sums(
     X, DY, MEAN_HI, MEAN_LO, RSTD, PDY, PDYX,
     sxn, sxc, sxs, sdn, sdc, sds, C, S, R, rows_per_program, C_BLOCKS,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    MERGED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Per chunk and channel: partial ``sum dy`` and ``sum dy * xhat``."""
     pid = tl.program_id(0).to(tl.int64)
@@ -676,8 +685,10 @@ def _bn_bwd_sums(
     for r0 in range(r_start, r_end, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         mask = (r < r_end)[:, None] & cmask[None, :]
-        x = tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + _bn_tile(r, c, S, sdn, sds, sdc), mask=mask, other=0.0).to(tl.float32)
+        offs = _bn_tile(r, c, S, sxn, sxs, sxc, MERGED)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        offs = _bn_tile(r, c, S, sdn, sds, sdc, MERGED)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         xhat = tl.where(mask, ((x - mean_hi[None, :]) - mean_lo[None, :]) * rstd[None, :], 0.0)
         acc_dy += dy
         acc_dyx += dy * xhat
@@ -690,7 +701,8 @@ def _bn_bwd_sums(
 def _bn_bwd_dx(
     X, DY, DX, W, MEAN_HI, MEAN_LO, RSTD, SUM_DY, SUM_DYX,
     sxn, sxc, sxs, sdn, sdc, sds, son, soc, sos, C, S, R, C_BLOCKS, inv_n,
-    HAS_W: tl.constexpr, TRAIN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_W: tl.constexpr, TRAIN: tl.constexpr, MERGED: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """``dx = rstd * w * (dy - mean(dy) - xhat * mean(dy * xhat))`` in training (the
     statistics depend on x); ``dx = rstd * w * dy`` with fixed (running) statistics."""
@@ -701,15 +713,17 @@ def _bn_bwd_dx(
     r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     mask = (r < R)[:, None] & cmask[None, :]
     mean_hi, mean_lo, rstd, w = _bn_channel(MEAN_HI, MEAN_LO, RSTD, W, c, cmask, HAS_W)
-    dy = tl.load(DY + _bn_tile(r, c, S, sdn, sds, sdc), mask=mask, other=0.0).to(tl.float32)
+    offs = _bn_tile(r, c, S, sdn, sds, sdc, MERGED)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     if TRAIN:
-        x = tl.load(X + _bn_tile(r, c, S, sxn, sxs, sxc), mask=mask, other=0.0).to(tl.float32)
+        offs = _bn_tile(r, c, S, sxn, sxs, sxc, MERGED)
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         xhat = ((x - mean_hi[None, :]) - mean_lo[None, :]) * rstd[None, :]
         mean_dy = tl.load(SUM_DY + c, mask=cmask, other=0.0) * inv_n
         mean_dyx = tl.load(SUM_DYX + c, mask=cmask, other=0.0) * inv_n
         dy = dy - mean_dy[None, :] - xhat * mean_dyx[None, :]
     dx = dy * (rstd * w)[None, :]
-    tl.store(DX + _bn_tile(r, c, S, son, sos, soc), dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + _bn_tile(r, c, S, son, sos, soc, MERGED), dx.to(DX.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------

@@ -552,6 +552,24 @@ def _bn_chunks(device: torch.device, r: int, block_r: int, c_blocks: int) -> tup
     return _cdiv(r, per_chunk), per_chunk
 
 
+def _merged(*views: Tensor) -> bool:
+    """Whether every ``(N, C, S)`` view lays its samples' positions one after another at
+    one stride (``stride(0) == S * stride(2)``: channels-last, or a single sample), so the
+    BatchNorm kernels index a position by its flat number alone (``MERGED``: no 64-bit
+    division per position to find its sample).
+
+    Example:
+        >>> x = torch.randn(2, 3, 4, 5)
+        >>> _merged(_ncs(x)), _merged(_ncs(x.contiguous(memory_format=torch.channels_last)))
+        (False, True)
+    """
+    for v in views:
+        n, _, s = v.shape
+        if n > 1 and v.stride(0) != s * v.stride(2):
+            return False
+    return True
+
+
 def bn_stats(x: Tensor, eps: float, block: int | None):
     """Per-channel ``(mean_hi, mean_lo, var, rstd)`` of ``(N, C, *)`` over N and spatial.
 
@@ -573,7 +591,7 @@ def bn_stats(x: Tensor, eps: float, block: int | None):
     merge_k = min(next_pow2(chunks), max(1, (TILE if block is None else block) // merge_c))
     with _on_device(x):
         _launch(K._bn_stats, chunks * c_blocks,
-                (v, *parts, *v.stride(), c, s, r, per_chunk, c_blocks),
+                (v, *parts, *v.stride(), c, s, r, per_chunk, c_blocks), MERGED=_merged(v),
                 BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_warps(block_r * block_c, 8))
         _launch(K._bn_merge, _cdiv(c, merge_c), (*parts, *out, c, r, chunks, per_chunk, eps),
                 BLOCK_K=merge_k, BLOCK_C=merge_c, num_warps=_warps(merge_k * merge_c, 4))
@@ -592,8 +610,8 @@ def bn_apply(x: Tensor, mean_hi: Tensor, mean_lo: Tensor, rstd: Tensor,
         _launch(K._bn_fwd, _cdiv(n * s, block_r) * c_blocks,
                 (v, yv, _or(weight, v), _or(bias, v), mean_hi, mean_lo, rstd, *v.stride(),
                  *yv.stride(), c, s, n * s, c_blocks),
-                HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_R=block_r,
-                BLOCK_C=block_c, num_warps=_warps(block_r * block_c, 8))
+                HAS_W=weight is not None, HAS_B=bias is not None, MERGED=_merged(v, yv),
+                BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_warps(block_r * block_c, 8))
     return y
 
 
@@ -613,12 +631,12 @@ def bn_backward(x: Tensor, dy: Tensor, weight: Tensor | None, mean_hi: Tensor,
     with _on_device(x):
         _launch(K._bn_bwd_sums, chunks * c_blocks,
                 (v, dv, mean_hi, mean_lo, rstd, *parts, *v.stride(), *dv.stride(),
-                 c, s, r, per_chunk, c_blocks), **tiles)
-        sum_dy, sum_dyx = parts.sum(1)  # (one reduction for both)
+                 c, s, r, per_chunk, c_blocks), MERGED=_merged(v, dv), **tiles)
+        sum_dy, sum_dyx = parts.sum(1).unbind(0)  # (one reduction for both)
         _launch(K._bn_bwd_dx, _cdiv(r, block_r) * c_blocks,
                 (v, dv, dxv, _or(weight, v), mean_hi, mean_lo, rstd, sum_dy, sum_dyx,
                  *v.stride(), *dv.stride(), *dxv.stride(), c, s, r, c_blocks, 1.0 / r),
-                HAS_W=weight is not None, TRAIN=train, **tiles)
+                HAS_W=weight is not None, TRAIN=train, MERGED=_merged(v, dv, dxv), **tiles)
     return dx, sum_dyx, sum_dy
 
 
