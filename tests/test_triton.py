@@ -576,12 +576,17 @@ def test_forward_mode_ad_is_refused_not_dropped():  # (torch's make_dual scripts
 
 # ------------------------------------------------------------------- numerics, hazards
 
-OFFSET_CASES = ["ln-single", "ln-chunked", "gn-nchw", "gn-nhwc", "bn-nchw", "bn-nhwc"]
+OFFSET_CASES = ["ln-single", "ln-chunked", "ln2d-nchw", "ln2d-chunked", "gn-nchw", "gn-nhwc",
+                "bn-nchw", "bn-nhwc"]
 
 
 def _run_case(case, x, w, b):
     """(kernel output, float64 reference) for one of OFFSET_CASES on ``x`` (N, C, H, W)."""
     xd, wd, bd = leaves(x, w, b)
+    if case.startswith("ln2d"):
+        c = x.shape[1]
+        y = tk.layer_norm2d(x, w, b, block=4 if case == "ln2d-chunked" else None)
+        return y, F.layer_norm(xd.movedim(1, -1), (c,), wd, bd).movedim(-1, 1), xd
     if case.startswith("ln"):
         n = x.shape[-1]
         y = tk.layer_norm(x, (n,), w, b, block=4 if case == "ln-chunked" else None)
@@ -598,7 +603,7 @@ def test_large_offset_keeps_precision(case):
     torch.manual_seed(7)
     layout = case.split("-")[1] if case[:2] in ("gn", "bn") else None
     x = rand(2, 4, 2, 6, offset=1e4, scale=1.0, layout=layout)
-    c = x.shape[-1] if case.startswith("ln") else x.shape[1]
+    c = x.shape[-1] if case.startswith("ln") and not case.startswith("ln2d") else x.shape[1]
     w, b = param(c), param(c)
     y, yd, xd = _run_case(case, x, w, b)
     assert float((y.detach().double().cpu() - yd.detach().cpu()).abs().max()) < 1e-4
@@ -607,12 +612,12 @@ def test_large_offset_keeps_precision(case):
     assert float((dx.double().cpu() - dxd.cpu()).abs().max()) < 1e-4
 
 
-@pytest.mark.parametrize("case", ["ln-chunked", "gn-nhwc", "bn-nchw"])
+@pytest.mark.parametrize("case", ["ln-chunked", "ln2d-chunked", "gn-nhwc", "bn-nchw"])
 def test_weight_gradients_are_deterministic(case):
     """Partial sums reduced in a fixed order, no atomics: two runs are bitwise equal."""
     torch.manual_seed(8)
     x = rand(2, 4, 1, 5, layout="nhwc" if case == "gn-nhwc" else None)
-    c = x.shape[-1] if case.startswith("ln") else x.shape[1]
+    c = x.shape[-1] if case.startswith("ln") and not case.startswith("ln2d") else x.shape[1]
     w, b = param(c), param(c)
     dy = None
     runs = []
@@ -624,7 +629,7 @@ def test_weight_gradients_are_deterministic(case):
         assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize("case", ["ln", "rms", "gn", "bn"])
+@pytest.mark.parametrize("case", ["ln", "rms", "ln2d", "gn", "bn"])
 def test_nan_propagates_to_its_group_only(case):
     torch.manual_seed(9)
     x = rand(4, 6, 3, 3, grad=False)
@@ -633,6 +638,9 @@ def test_nan_propagates_to_its_group_only(case):
     if case in ("ln", "rms"):
         y = run_rows(case, x, None, None, 1e-5, block=4)
         yd = ref_rows(case, xd, None, None, 1e-5)
+    elif case == "ln2d":
+        y = tk.layer_norm2d(x, block=8)
+        yd = F.layer_norm(xd.movedim(1, -1), (6,)).movedim(-1, 1)
     elif case == "gn":
         y, yd = tk.group_norm(x, 3, block=8), F.group_norm(xd, 3)
     else:
@@ -652,11 +660,13 @@ def test_second_order_gradients_match_the_reference():
         if kernel:
             y, h = tk.layer_norm(x, (12,), w, b, residual=r)
             return [y, h, tk.group_norm(xi, 2, wc, bc, act="silu"),
-                    tk.batch_norm_train(xi, wc, bc)[0], tk.batch_norm_eval(xi, rm, rv, wc, bc)]
+                    tk.batch_norm_train(xi, wc, bc)[0], tk.batch_norm_eval(xi, rm, rv, wc, bc),
+                    tk.layer_norm2d(xi, wc, bc)]
         h = x + r
         return [F.layer_norm(h, (12,), w, b), h, F.silu(F.group_norm(xi, 2, wc, bc)),
                 F.batch_norm(xi, None, None, wc, bc, True),
-                F.batch_norm(xi, rm.double(), rv.double(), wc, bc, False)]
+                F.batch_norm(xi, rm.double(), rv.double(), wc, bc, False),
+                F.layer_norm(xi.movedim(1, -1), (4,), wc, bc).movedim(-1, 1)]
 
     inputs = [x, r, xi, w, b, wc, bc]
     results = []
@@ -679,7 +689,8 @@ def test_batched_gradients_equal_one_at_a_time():
     w, b, wc, bc = param(12), param(12), param(4), param(4)
     rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
     y, h = tk.layer_norm(x, (12,), w, b, residual=r)
-    outs = [y, h, tk.rms_norm(x, (12,), w), tk.group_norm(xi, 2, wc, bc, act="silu"),
+    outs = [y, h, tk.rms_norm(x, (12,), w), tk.layer_norm2d(xi, wc, bc),
+            tk.group_norm(xi, 2, wc, bc, act="silu"),
             tk.batch_norm_train(xi, wc, bc)[0], tk.batch_norm_eval(xi, rm, rv, wc, bc)]
     inputs = [x, r, xi, w, b, wc, bc]
     for out in outs:
@@ -711,6 +722,8 @@ def test_int64_offsets_past_2_31_elements():
     close(tk.layer_norm(rows, (c * s,), block=8), F.layer_norm(rows.double(), (c * s,)), F16,
           "layer_norm")
     close(tk.group_norm(x, 3, block=4), F.group_norm(xd, 3), F16, "group_norm")
+    close(tk.layer_norm2d(x, block=4), F.layer_norm(xd.movedim(1, -1), (c,)).movedim(-1, 1),
+          F16, "layer_norm2d")
     close(tk.batch_norm_train(x, block=4)[0], F.batch_norm(xd, None, None, training=True), F16,
           "batch_norm")
     del base
