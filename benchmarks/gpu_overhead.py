@@ -3,8 +3,8 @@ without the host, and a profile. Run on a CUDA machine (the device tool's H200):
 
     PYTHONPATH=src python3 benchmarks/gpu_overhead.py [STEP ...] > overhead.txt
 
-(steps: precision, accuracy, double_backward, host_table, gpu_table, layer_norm2d,
-tuning, direct_launch, profiles, modules; default all)
+(steps: precision, accuracy, double_backward, host_table, gpu_table, opt_in, tuning,
+direct_launch, profiles, modules; default all)
 
 Five tables, the first two beside torch eager (and Liger-Kernel where it imports):
 
@@ -22,8 +22,8 @@ Five tables, the first two beside torch eager (and Liger-Kernel where it imports
 5. **cProfile** of normkit's LayerNorm and BatchNorm forward+backward on CUDA.
 6. **modules**: host time of whole modules under ``backend="auto"`` beside torch's, and
    a profile of the BatchNorm2d module (the route a conv net takes on a GPU).
-7. **layer_norm2d**: LayerNorm2d of NCHW input: timm's permutes, normkit's ``"auto"``
-   (copies around the row kernels) and its channels-first kernels.
+7. **opt_in**: the Triton kernels ``"auto"`` does not take on CUDA (LayerNorm2d's
+   channels-first ones, BatchNorm's and GroupNorm's) beside what it takes and torch.
 
 Before them: the single-block LayerNorm's statistics at a mean of 1e4 (the H200 run
 found them off with FMA contraction on), and the float32 accuracy of torch's CUDA
@@ -414,52 +414,79 @@ def modules() -> None:
     print_profile(f"normkit {name} module fwd+bwd", step, calls, 18)
 
 
-def layer_norm2d() -> None:
-    """LayerNorm2d of NCHW input three ways, kernel time (CUDA graphs) and synced host
-    time per call, forward and forward+backward: timm's ``permute -> F.layer_norm ->
-    permute`` (its output a channels-last-strided view), normkit under ``"auto"`` (a copy
-    to channels-innermost, the Triton row kernels, a copy back to NCHW: what
-    ``_layer_norm2d_accelerator`` does) and normkit's channels-first Triton kernels
-    (``backend="triton"``: no copies; not yet measured on a GPU), whose win would make
-    them ``"auto"``'s choice there."""
+def opt_in() -> None:
+    """The Triton kernels ``"auto"`` does not take on CUDA, beside what it takes and beside
+    torch, kernel time (CUDA graphs) and synced host time per call, forward and
+    forward+backward, so that one device run can decide the policy:
+
+    * LayerNorm2d of NCHW input: timm's ``permute -> F.layer_norm -> permute`` (its output
+      a channels-last-strided view), normkit under ``"auto"`` (a copy to channels-innermost,
+      the Triton row kernels, a copy back: ``_layer_norm2d_accelerator``) and the
+      channels-first kernels (``backend="triton"``, not yet measured on a GPU);
+    * training BatchNorm and GroupNorm(32) on channels-last input: torch, normkit under
+      ``"auto"`` (torch's kernels behind normkit's wrapper) and normkit's Triton kernels
+      (channels-last BatchNorm without the per-position division since ``972c1f2``)."""
     import normkit.functional as NF
 
     big = DEV == "cuda"
-    # (ConvNeXt's stem width at 56x56, a mid stage, a wide late stage: its backward walks
-    # the channels in chunks)
-    shapes = ((8, 96, 56, 56), (32, 256, 14, 14), (32, 768, 7, 7)) if big else ((2, 6, 3, 4),)
     graph = (graph_us, "GPU us")
     eager = (functools.partial(host_us, n=100, warmup=5, synced=True), "eager us") if big \
         else (functools.partial(host_us, n=1, warmup=0), "us")
-    print("\n## LayerNorm2d on NCHW: timm's permutes, normkit auto, normkit channels-first\n")
-    print(f"{'shape':<18}{'pass':<9}{'timer':<10}{'timm':>9}{'auto':>9}{'triton':>9}"
-          f"{'timm/triton':>12}{'auto/triton':>12}")
-    for shape in shapes:
-        c = shape[1]
-        x = torch.randn(shape, device=DEV, requires_grad=True)
-        w = torch.randn(c, device=DEV, requires_grad=True)
-        b = torch.randn(c, device=DEV, requires_grad=True)
-        calls = {
-            "timm": lambda x=x, w=w, b=b, c=c: F.layer_norm(
-                x.permute(0, 2, 3, 1), (c,), w, b).permute(0, 3, 1, 2),
-            "auto": lambda x=x, w=w, b=b: NF.layer_norm2d(x, w, b),
-            "triton": lambda x=x, w=w, b=b: NF.layer_norm2d(x, w, b, backend="triton"),
-        }
-        for label, timers in (("fwd", [graph] if big else [eager]),
-                              ("fwd+bwd", [graph, eager] if big else [eager])):
-            for timer, unit in timers:
-                times = []
-                for fn in calls.values():
-                    run = fn if label == "fwd" else fwd_bwd(fn, x, w, b)
-                    try:
-                        times.append(timer(run))
-                    except Exception as e:  # noqa: BLE001 - reported, the others still run
-                        print(f"({label} failed: {type(e).__name__}: {str(e)[:160]})")
-                        times.append(float("nan"))
-                print(f"{'x'.join(map(str, shape)):<18}{label:<9}{unit:<10}"
-                      + "".join(f"{t:9.1f}" for t in times)
-                      + f"{times[0] / times[2]:11.2f}x{times[1] / times[2]:11.2f}x")
-                sys.stdout.flush()
+
+    def layer_norm2d(x, w, b):
+        c = x.shape[1]
+        return {"torch": lambda: F.layer_norm(x.permute(0, 2, 3, 1), (c,), w, b).permute(
+                    0, 3, 1, 2),
+                "auto": lambda: NF.layer_norm2d(x, w, b),
+                "triton": lambda: NF.layer_norm2d(x, w, b, backend="triton")}
+
+    def batch_norm(x, w, b):
+        return {"torch": lambda: F.batch_norm(x, None, None, w, b, True),
+                "auto": lambda: NF.batch_norm(x, None, None, w, b, True),
+                "triton": lambda: NF.batch_norm(x, None, None, w, b, True, backend="triton")}
+
+    def group_norm(x, w, b):
+        g = min(32, x.shape[1])
+        return {"torch": lambda: F.group_norm(x, g, w, b),
+                "auto": lambda: NF.group_norm(x, g, w, b),
+                "triton": lambda: NF.group_norm(x, g, w, b, backend="triton")}
+
+    # (LayerNorm2d: ConvNeXt's stem width at 56x56, a mid stage, a wide late stage whose
+    # backward walks the channels in chunks; BatchNorm/GroupNorm: the bench's CNN shapes)
+    cases = [("LayerNorm2d NCHW", layer_norm2d, False,
+              ((8, 96, 56, 56), (32, 256, 14, 14), (32, 768, 7, 7))),
+             ("BatchNorm NHWC", batch_norm, True, ((32, 64, 56, 56), (32, 256, 14, 14))),
+             ("GroupNorm(32) NHWC", group_norm, True, ((32, 64, 56, 56), (32, 256, 14, 14)))]
+    print("\n## Triton kernels \"auto\" does not take on CUDA (torch: timm's permutes for "
+          "LayerNorm2d)\n")
+    print(f"{'op':<20}{'shape':<16}{'pass':<9}{'timer':<10}{'torch':>9}{'auto':>9}"
+          f"{'triton':>9}{'torch/triton':>13}{'auto/triton':>12}")
+    for title, make, channels_last, shapes in cases:
+        for shape in shapes if big else ((2, 6, 3, 4),):
+            c = shape[1]
+            x = torch.randn(shape, device=DEV)
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            x.requires_grad_()
+            w = torch.randn(c, device=DEV, requires_grad=True)
+            b = torch.randn(c, device=DEV, requires_grad=True)
+            calls = make(x, w, b)
+            for label, timers in (("fwd", [graph] if big else [eager]),
+                                  ("fwd+bwd", [graph, eager] if big else [eager])):
+                for timer, unit in timers:
+                    times = []
+                    for fn in calls.values():
+                        run = fn if label == "fwd" else fwd_bwd(fn, x, w, b)
+                        try:
+                            times.append(timer(run))
+                        except Exception as e:  # noqa: BLE001 - reported, the rest runs
+                            print(f"({title} {label} failed: {type(e).__name__}: "
+                                  f"{str(e)[:160]})")
+                            times.append(float("nan"))
+                    print(f"{title:<20}{'x'.join(map(str, shape)):<16}{label:<9}{unit:<10}"
+                          + "".join(f"{t:9.1f}" for t in times)
+                          + f"{times[0] / times[2]:12.2f}x{times[1] / times[2]:11.2f}x")
+                    sys.stdout.flush()
 
 
 def precision() -> None:
@@ -587,7 +614,7 @@ if __name__ == "__main__":
     print(f"torch {torch.__version__}, triton {triton.__version__}, "
           f"{torch.cuda.get_device_name() if DEV == 'cuda' else DEV}")
     steps = {f.__name__: f for f in (precision, accuracy, double_backward, host_table,
-                                     gpu_table, layer_norm2d, tuning, direct_launch, profiles,
+                                     gpu_table, opt_in, tuning, direct_launch, profiles,
                                      modules)}
     unknown = [name for name in sys.argv[1:] if name not in steps]
     if unknown:
