@@ -909,6 +909,40 @@ def test_auto_on_cuda_runs_the_row_kernel_as_triton_does(op, monkeypatch):
         assert torch.equal(auto, triton)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_layer_norm2d_auto_policy_is_one_set_entry(layout, monkeypatch):
+    """LayerNorm2d under "auto" on a CUDA input takes the channels-first kernels exactly
+    when "layer_norm2d" is in TRITON_AUTO_OPS (not yet: no GPU has timed them), then with
+    the values and gradients of backend="triton", bitwise; without it, no channels-first
+    launch (on a GPU: the row kernels between copies)."""
+    import normkit.functional as NF
+    from normkit.kernels.triton import _ops
+
+    _auto_as_on_cuda(monkeypatch)
+    assert "layer_norm2d" not in NF.TRITON_AUTO_OPS
+    launched = []
+    launch = _ops._launch
+
+    def record(kernel, grid, args, num_warps=4, **constexprs):
+        launched.append(kernel.__name__)
+        return launch(kernel, grid, args, num_warps, **constexprs)
+
+    monkeypatch.setattr(_ops, "_launch", record)
+    x, w, b = rand(2, 6, 5, 3, layout=layout), param(6), param(6)
+    NF.layer_norm2d(x, w, b)
+    assert launched == []  # (on the CPU: normkit's CPU path; on a GPU: torch's copies)
+    monkeypatch.setattr(NF, "TRITON_AUTO_OPS", NF.TRITON_AUTO_OPS | {"layer_norm2d"})
+    runs = []
+    for backend in ("auto", "triton"):
+        launched.clear()
+        y = NF.layer_norm2d(x, w, b, backend=backend)
+        runs.append([y, *torch.autograd.grad(y, [x, w, b], torch.ones_like(y))])
+        assert launched == (["_cf_fwd", "_cf_bwd"] if layout == "nchw"
+                            else ["_row_fwd", "_row_bwd"])
+    for auto, triton in zip(*runs, strict=True):
+        assert torch.equal(auto, triton)
+
+
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("x_dtype,r_dtype,in_fp32", [
     (F32, F32, False), (BF16, BF16, True), (BF16, F32, False), (F16, None, True),

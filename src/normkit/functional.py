@@ -89,8 +89,11 @@ def _small_rows(x: Tensor, backend: str, *params: Tensor | None) -> bool:
 #: norm + ReLU, 32x64x56x56) nothing hides it: normkit's BatchNorm made the step 4.1x
 #: slower and its GroupNorm 1.9x. So BatchNorm and GroupNorm (and the fused ops built on
 #: them) run torch's CUDA kernels under ``"auto"``, and their Triton kernels only with
-#: ``backend="triton"``. Every layer that no Triton kernel serves on a GPU runs torch's
-#: kernel for the device there (:func:`_torch_kernels`), never normkit's CPU paths.
+#: ``backend="triton"``. LayerNorm2d's channels-first kernels (``"layer_norm2d"``) are not
+#: in the set until a GPU has timed them against its present route on CUDA, the row
+#: kernels between copies (``benchmarks/gpu_overhead.py opt_in``). Every layer that no
+#: Triton kernel serves on a GPU runs torch's kernel for the device there
+#: (:func:`_torch_kernels`), never normkit's CPU paths.
 TRITON_AUTO_OPS = frozenset({"layer_norm", "rms_norm"})
 
 
@@ -721,8 +724,11 @@ def layer_norm2d(
     if input.numel() == 0:
         return _empty_result(input, affine_view(weight, view), affine_view(bias, view))
     backend = _few_values_backend(backend, input.shape[1], input, weight, bias)
-    if backend == "triton":  # (the kernels check their arguments, saying what they lack)
-        return tk.layer_norm2d(input, weight, bias, eps)
+    if _use_triton(backend, input, lambda: tk.supports_layer_norm2d(input, weight, bias),
+                   "layer_norm2d"):
+        if backend == "triton":  # (checks its arguments; under "auto" supports_* did)
+            return tk.layer_norm2d(input, weight, bias, eps)
+        return tk._layer_norm2d_unchecked(input, weight, bias, eps)
     if _torch_kernels(backend, input):
         return _layer_norm2d_accelerator(input, weight, bias, eps)
     if backend == "auto" and not compiling():
