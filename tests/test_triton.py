@@ -303,6 +303,7 @@ LN2D_CASES = {
     "nhwc-rows": ((2, 6, 5, 3), "nhwc", F32, None, (True, True)),
     "nchw-chunked": ((2, 6, 5, 3), "nchw", F32, 16, (True, True)),
     "nchw-chunked-many": ((2, 40, 3, 3), "nchw", F32, 64, (True, True)),
+    "nchw-tiles-per-program": ((3, 8, 9, 9), "nchw", F32, None, (True, True)),
     "nchw-fp16": ((2, 6, 5, 3), "nchw", F16, None, (True, True)),
     "nchw-bf16-chunked": ((3, 9, 4, 2), "nchw", BF16, 8, (True, True)),
     "3d": ((3, 7, 11), None, F32, None, (True, True)),
