@@ -20,9 +20,13 @@ time there includes its CPU kernels: tiny inputs keep them short).
 
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/host_overhead.py
     PYTHONPATH=src python benchmarks/host_overhead.py wrapper
+    TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/host_overhead.py rows
+    PYTHONPATH=src python benchmarks/host_overhead.py cold
 
 (``wrapper``: normkit's modules on the route a GPU input takes to torch's kernels,
-beside torch's modules; see :func:`wrapper`.)
+beside torch's modules; see :func:`wrapper`. ``rows``: the LayerNorm/RMSNorm modules on
+the route a CUDA input takes to the Triton row kernels, :func:`rows`. ``cold``: calls
+from cold caches, as right after a large kernel, :func:`cold`.)
 
 The figures are for reading, not asserting: one machine, one run.
 """
@@ -190,8 +194,60 @@ def rows() -> None:
                   f"{1 / ratio:.2f}x |", flush=True)
 
 
+def cold() -> None:
+    """``cold`` step: the host time of calls made from cold caches, as a call right after a
+    large kernel makes them (the kernel has streamed its tensors through the caches): a
+    64 MiB write before each timed call, medians of 61 calls, 64 x 768 rows (short
+    kernels), one thread, the same calls warm beside them. normkit's LayerNorm module and
+    its parts against torch's, then the accuracy check's product reduced as ``abs_`` then
+    ``max`` (before ``34d3e24``) and by one ``aminmax`` (``native.well_conditioned``)."""
+    import normkit
+    import normkit.functional as NF
+    from normkit.kernels import native
+
+    flush = torch.empty(16 * 1024 * 1024)
+    n = 768
+    x = torch.randn(64, n, requires_grad=True)
+    theirs, ours = torch.nn.LayerNorm(n), normkit.LayerNorm(n)
+    w, b = ours.weight, ours.bias
+    _, mean, rstd = torch.native_layer_norm(x, (n,), w, b, 1e-5)
+
+    def two_kernels():
+        return torch.mul(mean, rstd).abs_().max().item() <= 32.0
+
+    calls = {
+        "torch.nn.LayerNorm module": lambda: theirs(x),
+        "torch.native_layer_norm": lambda: torch.native_layer_norm(x, (n,), w, b, 1e-5),
+        "normkit.LayerNorm module": lambda: ours(x),
+        "normkit.functional.layer_norm": lambda: NF.layer_norm(x, (n,), w, b, 1e-5),
+        "native.layer_norm (kernel + check)": lambda: native.layer_norm(x, (n,), w, b, 1e-5),
+        "check: mul, abs_, max, item": two_kernels,
+        "check: native.well_conditioned": lambda: native.well_conditioned(mean, rstd, 32.0),
+    }
+    print("| call (64 x 768, one thread) | cold us | warm us |")
+    print("|---|---:|---:|")
+    times = {name: ([], []) for name in calls}
+    for _ in range(5):
+        for fn in calls.values():
+            fn()
+    for _ in range(61):
+        for name, fn in calls.items():
+            for evict, out in ((True, times[name][0]), (False, times[name][1])):
+                if evict:
+                    flush.fill_(1.0)
+                begin = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - begin) * 1e6)
+    for name, (cold_us, warm_us) in times.items():
+        print(f"| {name} | {statistics.median(cold_us):.1f} | {statistics.median(warm_us):.1f} |",
+              flush=True)
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if sys.argv[1:] == ["cold"]:
+        cold()
+        return
     if sys.argv[1:] == ["wrapper"]:
         wrapper()
         return
@@ -199,8 +255,8 @@ def main() -> None:
         rows()
         return
     if sys.argv[1:]:
-        raise SystemExit(f"unknown arguments {sys.argv[1:]}: expected none, 'wrapper' or "
-                         f"'rows'")
+        raise SystemExit(f"unknown arguments {sys.argv[1:]}: expected none, 'wrapper', "
+                         f"'rows' or 'cold'")
     if not tk.interpreting():
         raise SystemExit("run with TRITON_INTERPRET=1 (set before triton is imported)")
     launches, hook = _launch_counter()
