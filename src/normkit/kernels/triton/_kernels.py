@@ -95,6 +95,28 @@ def _partial_rows(PARTS, width, STORE_DW: tl.constexpr):
 
 
 @_jit
+def _program_run(total, per_program):
+    """``(pid, start, end)``: this program's id and the run ``[start, end)`` of
+    ``per_program`` items (rows, tiles) of ``total`` that it owns, int64."""
+    pid = tl.program_id(0).to(tl.int64)
+    start = pid * per_program
+    return pid, start, tl.minimum(start + per_program, total)
+
+
+@_jit
+def _weight_chunk(W, start, width, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    """``(cols, mask, w)``: columns ``start .. start + BLOCK`` of a weight of ``width``
+    values, their mask and the weight there in float32 (ones without ``HAS_W``)."""
+    cols = start + tl.arange(0, BLOCK)
+    mask = cols < width
+    if HAS_W:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.where(mask, 1.0, 0.0)
+    return cols, mask, w
+
+
+@_jit
 def _row_input(X, R, H, x_off, r_off, mask, HAS_RES: tl.constexpr):
     """A chunk of the row input in float32: ``x``, or ``x + r`` rounded as ``H`` stores it."""
     x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
@@ -275,14 +297,9 @@ def _row_bwd(
     C1 = COEFFS
     C2 = COEFFS + M
     DW, DB = _partial_rows(PARTS, N, STORE_DW)
-    pid = tl.program_id(0).to(tl.int64)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    pid, row_start, row_end = _program_run(M, rows_per_program)
     for start in range(0, N, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < N
-        if HAS_W:
-            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        cols, mask, w = _weight_chunk(W, start, N, HAS_W, BLOCK)
         dw = tl.zeros([BLOCK], dtype=tl.float32)
         db = tl.zeros([BLOCK], dtype=tl.float32)
         for row in range(row_start, row_end):
@@ -740,6 +757,15 @@ def _bn_bwd_dx(
 
 
 @_jit
+def _cf_positions(t, S, S_BLOCKS, BLOCK_S: tl.constexpr):
+    """``(n, s, smask, p)`` of tile ``t`` (int64): its sample, its BLOCK_S positions in
+    the sample, their mask and their flat numbers ``n * S + s``."""
+    n = t // S_BLOCKS
+    s = (t - n * S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)
+    return n, s, s < S, n * S + s
+
+
+@_jit
 def _cf_tile(n, s, c, C, S, sn, sc, ss):
     """int64 offsets of channels ``c`` ([BLOCK_C]) times positions ``s`` ([BLOCK_S]) of
     sample ``n``, and their mask."""
@@ -771,11 +797,7 @@ def _cf_fwd(
     """Normalize BLOCK_S positions of one sample over their channels (compensated
     two-pass moments, as the row kernels)."""
     MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, P, True)
-    pid = tl.program_id(0).to(tl.int64)
-    n = pid // S_BLOCKS
-    s = (pid - n * S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)
-    smask = s < S
-    p = n * S + s
+    n, s, smask, p = _cf_positions(tl.program_id(0).to(tl.int64), S, S_BLOCKS, BLOCK_S)
     if SINGLE:
         c = tl.arange(0, BLOCK_C)
         offs, mask = _cf_tile(n, s, c, C, S, sxn, sxc, sxs)
@@ -838,11 +860,7 @@ def _cf_bwd_coeffs(
     ``g = dy * w``, into the rows of ``COEFFS`` (``(2, P)``): for channels wider than one
     tile."""
     MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, P, True)
-    pid = tl.program_id(0).to(tl.int64)
-    n = pid // S_BLOCKS
-    s = (pid - n * S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)
-    smask = s < S
-    p = n * S + s
+    n, s, smask, p = _cf_positions(tl.program_id(0).to(tl.int64), S, S_BLOCKS, BLOCK_S)
     acc_gx = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
     acc_g = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
@@ -879,21 +897,13 @@ def _cf_bwd(
     """
     MEAN_HI, MEAN_LO, RSTD = _row_stat_rows(STATS, P, True)
     DW, DB = _partial_rows(PARTS, C, STORE_DW)
-    q = tl.program_id(0).to(tl.int64)
-    t_start = q * tiles_per_program
-    t_end = tl.minimum(t_start + tiles_per_program, TILES)
+    q, t_start, t_end = _program_run(TILES, tiles_per_program)
     for c0 in range(0, C, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        cmask = c < C
-        if HAS_W:
-            w = tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)
+        c, cmask, w = _weight_chunk(W, c0, C, HAS_W, BLOCK_C)
         acc_dw = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
         acc_db = tl.zeros([BLOCK_C, BLOCK_S], dtype=tl.float32)
         for t in range(t_start, t_end):
-            n = t // S_BLOCKS
-            s = (t - n * S_BLOCKS) * BLOCK_S + tl.arange(0, BLOCK_S)
-            smask = s < S
-            p = n * S + s
+            n, s, smask, p = _cf_positions(t, S, S_BLOCKS, BLOCK_S)
             offs, mask = _cf_tile(n, s, c, C, S, sxn, sxc, sxs)
             xhat = _cf_xhat(X, MEAN_HI, MEAN_LO, RSTD, p, smask, offs, mask)
             d_offs, _ = _cf_tile(n, s, c, C, S, sdn, sdc, sds)
