@@ -79,7 +79,8 @@ def compiling() -> bool:
         True
     """
     return (torch.compiler.is_compiling() or _transforms_active() or _tracing()
-            or _forward_ad.__dict__.get("_current_level", -1) >= 0 or _faking())
+            or _forward_ad.__dict__.get("_current_level", -1) >= 0
+            or _dispatch_mode(_FAKE_MODE) is not None)  # (_faking(), inlined: see _tracing)
 
 
 def recomputing() -> bool:
@@ -209,8 +210,11 @@ def skip_recomputed_update(module: torch.nn.Module, updates: bool) -> bool:
 #: Whether a torch.func transform is active (looked up once: compiling() runs on every
 #: call of every layer).
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
-#: Whether ``torch.jit.trace`` is recording.
-_tracing = torch.jit.is_tracing
+#: Whether ``torch.jit.trace`` is recording: the C function ``torch.jit.is_tracing`` calls
+#: (outside TorchScript, which cannot compile normkit's layers anyway), without its
+#: Python frame. compiling() runs on every call, and right after a large kernel from cold
+#: caches, where that frame cost ~7 us (``benchmarks/host_overhead.py cold``).
+_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
 
 
 def _faking() -> bool:
