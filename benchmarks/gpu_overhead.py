@@ -16,7 +16,8 @@ Five tables, the first two beside torch eager (and Liger-Kernel where it imports
    is timed: the kernels alone (on 4096 x >= 1024 rows and CNN activations; the graph
    replays the same buffers, so what fits in the 60 MB L2 is warm).
 3. **tuning**: the kernel time of the launch parameters
-   (``_ops.ROW_BWD_PROGRAMS_PER_SM``, ``_ops.BN_CHUNKS_PER_SM``) over candidate values.
+   (``_ops.ROW_BWD_PROGRAMS_PER_SM``, ``_ops.BN_CHUNKS_PER_SM``,
+   ``_ops.GN_CHUNKS_PER_SM``) over candidate values.
 4. **direct launch**: a compiled kernel called through its launcher, bypassing
    ``JITFunction.run``: same output? host us?
 5. **cProfile** of normkit's LayerNorm and BatchNorm forward+backward on CUDA.
@@ -285,13 +286,15 @@ def direct_launch() -> None:
 def tuning() -> None:
     """Kernel time (CUDA graphs) of the launch parameters over candidate values:
     ``_ops.ROW_BWD_PROGRAMS_PER_SM`` (LayerNorm backward, 4096 rows, by width),
-    ``_ops.BN_CHUNKS_PER_SM`` (BatchNorm statistics + merge, and its backward), and the
-    forward's block at width 16384 (``ROW_BLOCK`` chunks, two reads, against one block)."""
+    ``_ops.BN_CHUNKS_PER_SM`` (BatchNorm statistics + merge, and its backward),
+    ``_ops.GN_CHUNKS_PER_SM`` (GroupNorm(32) of channels-last input, forward and backward),
+    and the forward's block at width 16384 (``ROW_BLOCK`` chunks, two reads, against one
+    block)."""
     big = DEV == "cuda"  # (the interpreter rehearsal: tiny shapes, one timed call each)
     timer = graph_us if big else (lambda fn: host_us(fn, n=1))
     rows = 4096 if big else 8
     print("\n## Tuning: GPU us/call under CUDA graphs (columns: the parameter's value)\n")
-    saved = _ops.ROW_BWD_PROGRAMS_PER_SM, _ops.BN_CHUNKS_PER_SM
+    saved = _ops.ROW_BWD_PROGRAMS_PER_SM, _ops.BN_CHUNKS_PER_SM, _ops.GN_CHUNKS_PER_SM
     candidates = (1, 2, 4, 8, 16)
     try:
         print(f"{'LN bwd, ROW_BWD_PROGRAMS_PER_SM':<40}" + "".join(f"{k:>9}" for k in candidates))
@@ -336,8 +339,27 @@ def tuning() -> None:
                                                  True, None))
                     times.append(timer(fn))
                 print(f"{f'{what} {tag}':<40}" + "".join(f"{t:9.1f}" for t in times))
+        _ops.BN_CHUNKS_PER_SM = saved[1]
+        print(f"\n{'GN(32) NHWC, GN_CHUNKS_PER_SM':<40}" + "".join(f"{k:>9}" for k in candidates))
+        for shape in ((32, 64, 56, 56), (32, 256, 14, 14)) if big else ((2, 64, 3, 3),):
+            x = torch.randn(shape, device=DEV).to(memory_format=torch.channels_last)
+            dy = torch.randn_like(x)
+            c = shape[1]
+            w, b = torch.randn(c, device=DEV), torch.randn(c, device=DEV)
+            tag = "x".join(map(str, shape))
+            for what in ("fwd", "bwd"):
+                times = []
+                for k in candidates:
+                    _ops.GN_CHUNKS_PER_SM = k
+                    _, mh, ml, rstd = _ops.gn_forward(x, 32, w, b, 1e-5, 0, None)
+                    fn = (functools.partial(_ops.gn_forward, x, 32, w, b, 1e-5, 0, None)
+                          if what == "fwd" else functools.partial(
+                              _ops.gn_backward, x, dy, w, b, mh, ml, rstd, 32, 0, None))
+                    times.append(timer(fn))
+                print(f"{f'{what} {tag}':<40}" + "".join(f"{t:9.1f}" for t in times))
     finally:
-        _ops.ROW_BWD_PROGRAMS_PER_SM, _ops.BN_CHUNKS_PER_SM = saved
+        (_ops.ROW_BWD_PROGRAMS_PER_SM, _ops.BN_CHUNKS_PER_SM,
+         _ops.GN_CHUNKS_PER_SM) = saved
 
 
 def profiles() -> None:

@@ -408,6 +408,13 @@ GN_CASES = {
     "3d-chunked": ((3, 4, 7), 2, None, None, F32, 8, True),
     "2d-silu": ((2, 6), 3, None, "silu", F32, None, True),
     "nhwc-silu-no-affine": ((2, 6, 5, 3), 2, "nhwc", "silu", F32, None, False),
+    # channels-innermost kernels: one sample's 63 positions in 4 chunks (the last 15), merged
+    # 2 chunks at a time; groups of 3 channels across tiles of 4; a group of 66 channels
+    # merged 32 at a time; 16-bit and one channel per group
+    "nhwc-chunks": ((1, 6, 9, 7), 2, "nhwc", "silu", F32, 8, True),
+    "nhwc-channel-tiles": ((2, 12, 3, 5), 4, "nhwc", None, F32, 4, True),
+    "nhwc-wide-group": ((1, 66, 3, 3), 1, "nhwc", "silu", F32, 64, True),
+    "nhwc-fp16-instance": ((2, 6, 4, 3), 6, "nhwc", "silu", F16, 8, True),
 }
 
 
@@ -424,6 +431,66 @@ def test_group_norm(case):
     yd = F.group_norm(xd, groups, wd, bd, 1e-5)
     yd = F.silu(yd) if act == "silu" else yd
     check_channel_op(y, yd, (x, w, b), (xd, wd, bd), dtype)
+
+
+def test_group_norm_launches_by_layout(monkeypatch):
+    """Channels-innermost input runs the row-of-channels kernels (chunk moments, merge,
+    elementwise; backward sums, reduce, dx), NCHW the per-group ones."""
+    from normkit.kernels.triton import _ops
+
+    launched = []
+    launch = _ops._launch
+
+    def record(kernel, grid, args, num_warps=4, **constexprs):
+        launched.append(kernel.__name__)
+        return launch(kernel, grid, args, num_warps, **constexprs)
+
+    monkeypatch.setattr(_ops, "_launch", record)
+    for layout, want in (("nchw", ["_gn_stats", "_gn_fwd", "_gn_bwd_sums", "_gn_bwd_dx"]),
+                         ("nhwc", ["_gncl_stats", "_gncl_merge", "_gncl_fwd", "_gncl_bwd_sums",
+                                   "_gncl_bwd_reduce", "_gncl_bwd_dx"])):
+        launched.clear()
+        x = rand(2, 6, 5, 3, layout=layout)
+        tk.group_norm(x, 3, param(6), param(6)).sum().backward()
+        assert launched == want, (layout, launched)
+
+
+@pytest.mark.parametrize("block_k, block_c", [(1, 1), (2, 4), (8, 8)])
+def test_group_norm_statistics_merge_by_count(block_k, block_c):
+    """The channels-innermost merge against Chan et al.'s formula in float64: per (sample,
+    group), 4 chunks of 9 positions and a last one of 5 times 6 channels at an offset of
+    1e4 (groups of 3 channels, 2 samples): every mask, and the sample and group offsets
+    into the partials."""
+    from normkit.kernels.triton import _kernels as K
+    from normkit.kernels.triton import _ops
+
+    torch.manual_seed(18)
+    n, groups, c, chunks, per_chunk = 2, 2, 6, 5, 9
+    s = per_chunk * (chunks - 1) + 5
+    counts = torch.full((1, chunks, 1), float(per_chunk), dtype=torch.float64)
+    counts[:, -1] = s - per_chunk * (chunks - 1)
+    means = 1e4 + torch.randn(n, chunks, c, dtype=torch.float64)
+    hi = means.float()
+    lo = (means - hi.double()).float()
+    m2 = (torch.rand(n, chunks, c, dtype=torch.float64) * counts).float()
+    parts = [t.reshape(n * chunks, c).to(DEVICE) for t in (hi, lo, m2)]
+    out = [torch.full((n * groups,), float("nan"), device=DEVICE) for _ in range(3)]
+    _ops._launch(K._gncl_merge, n * groups,
+                 (*parts, *out, groups, c, c // groups, s, chunks, per_chunk,
+                  s - per_chunk * (chunks - 1), 1e-5), BLOCK_K=block_k, BLOCK_C=block_c)
+
+    def grouped(t):  # (n, chunks, c) -> (n * groups, chunks * channels of the group)
+        return t.reshape(n, chunks, groups, c // groups).transpose(1, 2).reshape(n * groups, -1)
+
+    part_mean = grouped(hi.double() + lo.double())
+    weights = grouped(counts.expand(n, chunks, c))
+    mean = (weights * part_mean).sum(1) / (s * c // groups)
+    var = (grouped(m2.double()).sum(1) + (weights * (part_mean - mean[:, None]).square()
+                                          ).sum(1)) / (s * c // groups)
+    mean_hi, mean_lo, rstd = (t.cpu() for t in out)
+    assert torch.equal(mean_hi, mean.float())
+    assert float((mean_hi.double() + mean_lo.double() - mean).abs().max()) < 1e-9
+    torch.testing.assert_close(rstd.double(), (var + 1e-5).rsqrt(), rtol=1e-6, atol=0)
 
 
 # ---------------------------------------------------------------------------- BatchNorm
@@ -723,6 +790,9 @@ def test_int64_offsets_past_2_31_elements():
     close(tk.layer_norm(rows, (c * s,), block=8), F.layer_norm(rows.double(), (c * s,)), F16,
           "layer_norm")
     close(tk.group_norm(x, 3, block=4), F.group_norm(xd, 3), F16, "group_norm")
+    inner = base.as_strided((2, c, s), (gap, 1, c))  # channels innermost: rows of channels
+    close(tk.group_norm(inner, 3, block=4), F.group_norm(inner.double(), 3), F16,
+          "group_norm, channels innermost")
     close(tk.layer_norm2d(x, block=4), F.layer_norm(xd.movedim(1, -1), (c,)).movedim(-1, 1),
           F16, "layer_norm2d")
     close(tk.batch_norm_train(x, block=4)[0], F.batch_norm(xd, None, None, training=True), F16,

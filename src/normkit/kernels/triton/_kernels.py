@@ -557,18 +557,10 @@ def _bn_tile(r, c, S, sn, ss_, sc_, MERGED: tl.constexpr):
 
 
 @_jit
-def _bn_stats(
-    X, PMEAN_HI, PMEAN_LO, PM2,
-    sxn, sxc, sxs, C, S, R, rows_per_program, C_BLOCKS,
-    MERGED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Compensated mean and ``M2 = sum (x - mean)**2`` of a chunk of each channel."""
-    pid = tl.program_id(0).to(tl.int64)
-    chunk = pid // C_BLOCKS
-    c = (pid - chunk * C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = c < C
-    r_start = chunk * rows_per_program
-    r_end = tl.minimum(r_start + rows_per_program, R)
+def _chunk_moments(X, r_start, r_end, c, cmask, S, sxn, sxs, sxc, MERGED: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``(mean_hi, mean_lo, M2)`` of positions ``r_start .. r_end`` of channels ``c``, in
+    two passes (:func:`_bn_tile` indexing)."""
     count = (r_end - r_start).to(tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for r0 in range(r_start, r_end, BLOCK_R):
@@ -589,7 +581,24 @@ def _bn_stats(
         acc_dd += d * d
     mean_lo = tl.sum(acc_d, axis=0) / count
     m2 = tl.sum(acc_dd, axis=0) - count * mean_lo * mean_lo
-    m2 = tl.where(m2 < 0.0, 0.0, m2)
+    return mean_hi, mean_lo, tl.where(m2 < 0.0, 0.0, m2)
+
+
+@_jit
+def _bn_stats(
+    X, PMEAN_HI, PMEAN_LO, PM2,
+    sxn, sxc, sxs, C, S, R, rows_per_program, C_BLOCKS,
+    MERGED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Compensated mean and ``M2 = sum (x - mean)**2`` of a chunk of each channel."""
+    pid = tl.program_id(0).to(tl.int64)
+    chunk = pid // C_BLOCKS
+    c = (pid - chunk * C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    r_start = chunk * rows_per_program
+    r_end = tl.minimum(r_start + rows_per_program, R)
+    mean_hi, mean_lo, m2 = _chunk_moments(X, r_start, r_end, c, cmask, S, sxn, sxs, sxc,
+                                          MERGED, BLOCK_R, BLOCK_C)
     out = chunk * C + c
     tl.store(PMEAN_HI + out, mean_hi, mask=cmask)
     tl.store(PMEAN_LO + out, mean_lo, mask=cmask)
@@ -741,6 +750,226 @@ def _bn_bwd_dx(
         dy = dy - mean_dy[None, :] - xhat * mean_dyx[None, :]
     dx = dy * (rstd * w)[None, :]
     tl.store(DX + _bn_tile(r, c, S, son, sos, soc, MERGED), dx.to(DX.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# GroupNorm of channels-innermost input (channels_last), over (N, C, S) with unit channel
+# stride
+#
+# The per-(sample, group) kernels above read a group's CPG channels at each position:
+# on channels-last input that is CPG * itemsize bytes out of every C * itemsize, a
+# strided gather. Here a program reads [BLOCK_R positions, BLOCK_C channels] tiles of
+# one sample, whole rows of channels (coalesced), as the BatchNorm kernels do, and the
+# group statistics come from per-channel partials: each sample's S positions are split
+# into K chunks of ``per_chunk``; a chunk's per-channel (mean, M2) (:func:`_chunk_moments`)
+# are merged per (sample, group) by count in float64 (:func:`_gncl_merge`, Chan et al.,
+# as :func:`_bn_merge`). Statistics: (N * G,) float32, as for the kernels above.
+# --------------------------------------------------------------------------------------
+
+
+@_jit
+def _gncl_chunk(pid, C, K, per_chunk, S, C_BLOCKS, BLOCK_C: tl.constexpr):
+    """Sample ``n``, chunk ``j``, its positions ``s_start .. s_end`` and channels ``c`` of
+    program ``pid`` (chunk-major over the channel blocks)."""
+    rest = pid // C_BLOCKS
+    c = (pid - rest * C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n = rest // K
+    j = rest - n * K
+    s_start = j * per_chunk
+    return n, j, tl.minimum(s_start + per_chunk, S), s_start, c, c < C
+
+
+@_jit
+def _gncl_stats(
+    X, PMEAN_HI, PMEAN_LO, PM2,
+    sxn, sxc, sxs, C, S, K, per_chunk, C_BLOCKS,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per-channel compensated (mean, M2) of one chunk of one sample's positions; rows
+    ``n * K + j`` of the ``(N * K, C)`` partials."""
+    pid = tl.program_id(0).to(tl.int64)
+    n, j, s_end, s_start, c, cmask = _gncl_chunk(pid, C, K, per_chunk, S, C_BLOCKS, BLOCK_C)
+    mean_hi, mean_lo, m2 = _chunk_moments(X + n * sxn, s_start, s_end, c, cmask, S, sxn, sxs,
+                                          sxc, True, BLOCK_R, BLOCK_C)
+    out = (n * K + j) * C + c
+    tl.store(PMEAN_HI + out, mean_hi, mask=cmask)
+    tl.store(PMEAN_LO + out, mean_lo, mask=cmask)
+    tl.store(PM2 + out, m2, mask=cmask)
+
+
+@_jit
+def _gncl_merge(
+    PMEAN_HI, PMEAN_LO, PM2, MEAN_HI, MEAN_LO, RSTD,
+    G, C, CPG, S, K, per_chunk, last, eps,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Merge one (sample, group)'s ``K x CPG`` chunk partials by count, in float64, into
+    its ``mean_hi``, ``mean_lo`` and ``rstd`` (the group's ``CPG * S`` values; every chunk
+    holds ``per_chunk`` positions but the last, ``last``)."""
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid // G
+    g = pid - n * G
+    base = n * K * C + g * CPG
+    acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float64)
+    for c0 in range(0, CPG, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        for k0 in range(0, K, BLOCK_K):
+            count, m, off, mask = _bn_parts(PMEAN_HI + base, PMEAN_LO + base, k0, cc, cc < CPG,
+                                            C, K, last, per_chunk, BLOCK_K)
+            acc += tl.where(mask, count[:, None] * m, 0.0)
+    mean = tl.sum(tl.sum(acc, axis=1), axis=0) / CPG / S
+    acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float64)
+    for c0 in range(0, CPG, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        for k0 in range(0, K, BLOCK_K):
+            count, m, off, mask = _bn_parts(PMEAN_HI + base, PMEAN_LO + base, k0, cc, cc < CPG,
+                                            C, K, last, per_chunk, BLOCK_K)
+            d = m - mean
+            m2 = tl.load(PM2 + base + off, mask=mask, other=0.0).to(tl.float64)
+            acc += tl.where(mask, m2 + count[:, None] * d * d, 0.0)
+    var = tl.sum(tl.sum(acc, axis=1), axis=0) / CPG / S
+    mean_hi = mean.to(tl.float32)
+    tl.store(MEAN_HI + pid, mean_hi)
+    tl.store(MEAN_LO + pid, (mean - mean_hi.to(tl.float64)).to(tl.float32))
+    tl.store(RSTD + pid, (1.0 / tl.sqrt(var + eps)).to(tl.float32))
+
+
+@_jit
+def _gncl_tile(pid, C, G, CPG, S, S_BLOCKS, C_BLOCKS, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr):
+    """Sample ``n``, positions ``s``, channels ``c``, the tile's mask and each channel's
+    (sample, group) index of program ``pid`` of the elementwise kernels."""
+    rest = pid // C_BLOCKS
+    c = (pid - rest * C_BLOCKS) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n = rest // S_BLOCKS
+    s = (rest - n * S_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cmask = c < C
+    mask = (s < S)[:, None] & cmask[None, :]
+    return n, s, c, cmask, mask, n * G + c // CPG
+
+
+@_jit
+def _gncl_fwd(
+    X, Y, W, B, MEAN_HI, MEAN_LO, RSTD,
+    sxn, sxc, sxs, syn, syc, sys_, C, G, CPG, S, S_BLOCKS, C_BLOCKS,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``act(xhat * w + b)`` on one [BLOCK_R, BLOCK_C] tile of one sample."""
+    pid = tl.program_id(0).to(tl.int64)
+    n, s, c, cmask, mask, grp = _gncl_tile(pid, C, G, CPG, S, S_BLOCKS, C_BLOCKS, BLOCK_R,
+                                           BLOCK_C)
+    mean_hi = tl.load(MEAN_HI + grp, mask=cmask, other=0.0)
+    mean_lo = tl.load(MEAN_LO + grp, mask=cmask, other=0.0)
+    rstd = tl.load(RSTD + grp, mask=cmask, other=0.0)
+    x = tl.load(X + n * sxn + _bn_tile(s, c, S, sxn, sxs, sxc, True), mask=mask,
+                other=0.0).to(tl.float32)
+    z = ((x - mean_hi[None, :]) - mean_lo[None, :]) * rstd[None, :]
+    if HAS_W:
+        z = z * tl.load(W + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        z = z + tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    z = _act(z, ACT)
+    tl.store(Y + n * syn + _bn_tile(s, c, S, syn, sys_, syc, True), z.to(Y.dtype.element_ty),
+             mask=mask)
+
+
+@_jit
+def _gncl_bwd_sums(
+    X, DY, W, B, MEAN_HI, MEAN_LO, RSTD, PDZ, PDZX,
+    sxn, sxc, sxs, sdn, sdc, sds, C, G, CPG, S, K, per_chunk, C_BLOCKS,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per channel, over one chunk of one sample's positions: partial ``sum dz`` and
+    ``sum dz * xhat`` (``dz``: the gradient at the affine output, through the
+    activation); rows ``n * K + j`` of the ``(N * K, C)`` partials."""
+    pid = tl.program_id(0).to(tl.int64)
+    n, j, s_end, s_start, c, cmask = _gncl_chunk(pid, C, K, per_chunk, S, C_BLOCKS, BLOCK_C)
+    grp = n * G + c // CPG
+    mean_hi = tl.load(MEAN_HI + grp, mask=cmask, other=0.0)[None, :]
+    mean_lo = tl.load(MEAN_LO + grp, mask=cmask, other=0.0)[None, :]
+    rstd = tl.load(RSTD + grp, mask=cmask, other=0.0)[None, :]
+    acc_dz = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc_dzx = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for s0 in range(s_start, s_end, BLOCK_R):
+        s = s0 + tl.arange(0, BLOCK_R)
+        mask = (s < s_end)[:, None] & cmask[None, :]
+        xhat, dz, _ = _gn_dz(X + n * sxn + _bn_tile(s, c, S, sxn, sxs, sxc, True),
+                             DY + n * sdn + _bn_tile(s, c, S, sdn, sds, sdc, True), W, B,
+                             mask, c, cmask, mean_hi, mean_lo, rstd, HAS_W, HAS_B, ACT)
+        acc_dz += dz
+        acc_dzx += dz * xhat
+    out = (n * K + j) * C + c
+    tl.store(PDZ + out, tl.sum(acc_dz, axis=0), mask=cmask)
+    tl.store(PDZX + out, tl.sum(acc_dzx, axis=0), mask=cmask)
+
+
+@_jit
+def _gncl_bwd_reduce(
+    PDZ, PDZX, W, C1, C2, DW, DB,
+    G, C, CPG, K, inv_n,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One (sample, group): its channels' sums over the K chunks, stored as the sample's
+    rows of the ``(N, C)`` weight/bias gradient partials (those of the parameters given),
+    and ``c1 = mean(g * xhat)``, ``c2 = mean(g)`` with ``g = dz * w`` (as
+    :func:`_gn_bwd_sums` gives them)."""
+    pid = tl.program_id(0).to(tl.int64)
+    n = pid // G
+    g = pid - n * G
+    acc_gx = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, CPG, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        cmask = cc < CPG
+        ch = g * CPG + cc
+        dz = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+        dzx = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            mask = (k < K)[:, None] & cmask[None, :]
+            off = (n * K + k)[:, None] * C + ch[None, :]
+            dz += tl.load(PDZ + off, mask=mask, other=0.0)
+            dzx += tl.load(PDZX + off, mask=mask, other=0.0)
+        sum_dz = tl.sum(dz, axis=0)
+        sum_dzx = tl.sum(dzx, axis=0)
+        if HAS_B:
+            tl.store(DB + n * C + ch, sum_dz, mask=cmask)
+        if HAS_W:
+            tl.store(DW + n * C + ch, sum_dzx, mask=cmask)
+            w = tl.load(W + ch, mask=cmask, other=0.0).to(tl.float32)
+            sum_dz = sum_dz * w
+            sum_dzx = sum_dzx * w
+        acc_gx += sum_dzx
+        acc_g += sum_dz
+    tl.store(C1 + pid, tl.sum(acc_gx, axis=0) * inv_n)
+    tl.store(C2 + pid, tl.sum(acc_g, axis=0) * inv_n)
+
+
+@_jit
+def _gncl_bwd_dx(
+    X, DY, DX, W, B, MEAN_HI, MEAN_LO, RSTD, C1, C2,
+    sxn, sxc, sxs, sdn, sdc, sds, son, soc, sos, C, G, CPG, S, S_BLOCKS, C_BLOCKS,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """``dx = rstd * (dz * w - xhat * c1 - c2)`` on one [BLOCK_R, BLOCK_C] tile."""
+    pid = tl.program_id(0).to(tl.int64)
+    n, s, c, cmask, mask, grp = _gncl_tile(pid, C, G, CPG, S, S_BLOCKS, C_BLOCKS, BLOCK_R,
+                                           BLOCK_C)
+    mean_hi = tl.load(MEAN_HI + grp, mask=cmask, other=0.0)[None, :]
+    mean_lo = tl.load(MEAN_LO + grp, mask=cmask, other=0.0)[None, :]
+    rstd = tl.load(RSTD + grp, mask=cmask, other=0.0)[None, :]
+    c1 = tl.load(C1 + grp, mask=cmask, other=0.0)[None, :]
+    c2 = tl.load(C2 + grp, mask=cmask, other=0.0)[None, :]
+    xhat, dz, w = _gn_dz(X + n * sxn + _bn_tile(s, c, S, sxn, sxs, sxc, True),
+                         DY + n * sdn + _bn_tile(s, c, S, sdn, sds, sdc, True), W, B, mask,
+                         c, cmask, mean_hi, mean_lo, rstd, HAS_W, HAS_B, ACT)
+    dx = (dz * w[None, :] - xhat * c1 - c2) * rstd
+    tl.store(DX + n * son + _bn_tile(s, c, S, son, sos, soc, True), dx.to(DX.dtype.element_ty),
+             mask=mask)
 
 
 # --------------------------------------------------------------------------------------

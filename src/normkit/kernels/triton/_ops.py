@@ -21,6 +21,7 @@ import contextlib
 import functools
 import types
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -58,6 +59,9 @@ ROW_BWD_PROGRAMS_PER_SM = ((2048, 8), (1 << 62, 1))
 #: fastest or within 7% of it at 32x64x56x56 (NCHW and NHWC) and 32x256x14x14 NHWC,
 #: 4 (the earlier, untuned value) 11-30% slower than 2 on every row.
 BN_CHUNKS_PER_SM = 2
+#: The same for the GroupNorm kernels of channels-innermost input (each sample's positions
+#: in chunks: the statistics and the backward's sums). Not tuned: BatchNorm's value.
+GN_CHUNKS_PER_SM = 2
 #: Channels one program of the BatchNorm statistics merge handles (partials are read as
 #: ``(chunks, MERGE_CHANNELS)`` tiles, channels contiguous).
 MERGE_CHANNELS = 32
@@ -427,15 +431,81 @@ def _group_config(cpg: int, s: int, block: int | None) -> tuple[int, int]:
     return max(1, min(next_pow2(s), tile // block_c)), block_c
 
 
+def _channels_inner(v: Tensor) -> bool:
+    """Whether an ``(N, C, S)`` view keeps channels innermost (channels_last), where the
+    GroupNorm kernels read whole rows of channels (:func:`_gncl_config`) rather than each
+    group's few channels at every position.
+
+    Example:
+        >>> x = torch.randn(2, 4, 3, 3)
+        >>> _channels_inner(_ncs(x)), _channels_inner(_ncs(x.to(memory_format=torch.channels_last)))
+        (False, True)
+    """
+    _, c, s = v.shape
+    return c > 1 and s > 1 and v.stride(1) == 1
+
+
+class _GroupTiles(NamedTuple):
+    """Launch shape of the channels-innermost GroupNorm kernels (:func:`_gncl_config`)."""
+
+    block_r: int  # positions of a tile
+    block_c: int  # channels of a tile
+    c_blocks: int
+    s_blocks: int  # tiles along one sample's positions (elementwise kernels)
+    chunks: int  # K: chunks of one sample's positions (reductions)
+    per_chunk: int  # positions of every chunk but the last
+    last: int  # positions of the last chunk
+    merge_k: int  # chunks and channels of one merge tile
+    merge_c: int
+
+
+def _gncl_config(v: Tensor, groups: int, block: int | None) -> _GroupTiles:
+    """Tiles of whole channel rows (up to 64 channels: 256 contiguous bytes in float32, as
+    the BatchNorm kernels on NHWC), each sample's positions in chunks, about
+    :data:`GN_CHUNKS_PER_SM` reduction programs per multiprocessor over all samples."""
+    n, c, s = v.shape
+    tile = TILE if block is None else block
+    block_c = min(next_pow2(c), tile, 64)
+    block_r = max(1, min(next_pow2(s), tile // block_c))
+    c_blocks = _cdiv(c, block_c)
+    chunks, per_chunk = _bn_chunks(v.device, s, block_r, n * c_blocks, GN_CHUNKS_PER_SM)
+    merge_c = min(next_pow2(c // groups), MERGE_CHANNELS)
+    merge_k = min(next_pow2(chunks), max(1, tile // merge_c))
+    return _GroupTiles(block_r, block_c, c_blocks, _cdiv(s, block_r), chunks, per_chunk,
+                       s - per_chunk * (chunks - 1), merge_k, merge_c)
+
+
 def gn_forward(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None,
                eps: float, act: int, block: int | None):
-    """``(y, mean_hi, mean_lo, rstd)`` of GroupNorm, statistics as ``(N * groups,)``."""
+    """``(y, mean_hi, mean_lo, rstd)`` of GroupNorm, statistics as ``(N * groups,)``.
+
+    Channels-innermost input: per-channel chunk moments, a merge per (sample, group) and
+    the elementwise pass, in whole rows of channels (three launches); any other layout:
+    one program per (sample, group) for the statistics, then the elementwise pass."""
     v = _ncs(x)
     n, c, s = v.shape
     cpg = c // groups
     y, yv = _empty_like_ncs(x)
-    mean_hi, mean_lo, rstd = (torch.empty(n * groups, dtype=torch.float32, device=x.device)
-                              for _ in range(3))
+    f32 = dict(dtype=torch.float32, device=x.device)
+    mean_hi, mean_lo, rstd = (torch.empty(n * groups, **f32) for _ in range(3))
+    affine = (_or(weight, v), _or(bias, v))
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACT=act)
+    if _channels_inner(v):
+        t = _gncl_config(v, groups, block)
+        parts = torch.empty((3, n * t.chunks, c), **f32)
+        tiles = dict(BLOCK_R=t.block_r, BLOCK_C=t.block_c,
+                     num_warps=_warps(t.block_r * t.block_c, 8))
+        with _on_device(x):
+            _launch(K._gncl_stats, n * t.chunks * t.c_blocks,
+                    (v, *parts, *v.stride(), c, s, t.chunks, t.per_chunk, t.c_blocks), **tiles)
+            _launch(K._gncl_merge, n * groups,
+                    (*parts, mean_hi, mean_lo, rstd, groups, c, cpg, s, t.chunks, t.per_chunk,
+                     t.last, eps), BLOCK_K=t.merge_k, BLOCK_C=t.merge_c,
+                    num_warps=_warps(t.merge_k * t.merge_c, 4))
+            _launch(K._gncl_fwd, n * t.s_blocks * t.c_blocks,
+                    (v, yv, *affine, mean_hi, mean_lo, rstd, *v.stride(), *yv.stride(), c,
+                     groups, cpg, s, t.s_blocks, t.c_blocks), **flags, **tiles)
+        return y, mean_hi, mean_lo, rstd
     block_s, block_c = _group_config(cpg, s, block)
     s_blocks = _cdiv(s, block_s)
     tiles = dict(BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_warps(block_s * block_c, 8))
@@ -443,9 +513,8 @@ def gn_forward(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | Non
         _launch(K._gn_stats, n * groups, (v, mean_hi, mean_lo, rstd, *v.stride(), groups, cpg,
                                           s, 1.0 / (cpg * s), eps), **tiles)
         _launch(K._gn_fwd, n * groups * s_blocks,
-                (v, yv, _or(weight, v), _or(bias, v), mean_hi, mean_lo, rstd, *v.stride(),
-                 *yv.stride(), groups, cpg, s, s_blocks),
-                HAS_W=weight is not None, HAS_B=bias is not None, ACT=act, **tiles)
+                (v, yv, *affine, mean_hi, mean_lo, rstd, *v.stride(), *yv.stride(), groups,
+                 cpg, s, s_blocks), **flags, **tiles)
     return y, mean_hi, mean_lo, rstd
 
 
@@ -466,18 +535,38 @@ def gn_backward(x: Tensor, dy: Tensor, weight: Tensor | None, bias: Tensor | Non
     else:
         dw = None if weight is None else torch.empty((n, c), **f32)
         db = None if bias is None else torch.empty((n, c), **f32)
-    block_s, block_c = _group_config(cpg, s, block)
-    s_blocks = _cdiv(s, block_s)
-    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACT=act, BLOCK_S=block_s,
-                 BLOCK_C=block_c, num_warps=_warps(block_s * block_c, 8))
+    flags = dict(HAS_W=weight is not None, HAS_B=bias is not None, ACT=act)
     w_, b_ = _or(weight, v), _or(bias, v)
-    with _on_device(x):
-        _launch(K._gn_bwd_sums, n * groups,
-                (v, dv, w_, b_, mean_hi, mean_lo, rstd, c1, c2, _or(dw, c1), _or(db, c1),
-                 *v.stride(), *dv.stride(), groups, c, cpg, s, 1.0 / (cpg * s)), **flags)
-        _launch(K._gn_bwd_dx, n * groups * s_blocks,
-                (v, dv, dxv, w_, b_, mean_hi, mean_lo, rstd, c1, c2, *v.stride(), *dv.stride(),
-                 *dxv.stride(), groups, cpg, s, s_blocks), **flags)
+    stats = (mean_hi, mean_lo, rstd)
+    if _channels_inner(v):
+        t = _gncl_config(v, groups, block)
+        sums = torch.empty((2, n * t.chunks, c), **f32)
+        tiles = dict(BLOCK_R=t.block_r, BLOCK_C=t.block_c,
+                     num_warps=_warps(t.block_r * t.block_c, 8))
+        with _on_device(x):
+            _launch(K._gncl_bwd_sums, n * t.chunks * t.c_blocks,
+                    (v, dv, w_, b_, *stats, *sums, *v.stride(), *dv.stride(), c, groups, cpg,
+                     s, t.chunks, t.per_chunk, t.c_blocks), **flags, **tiles)
+            _launch(K._gncl_bwd_reduce, n * groups,
+                    (*sums, w_, c1, c2, _or(dw, c1), _or(db, c1), groups, c, cpg, t.chunks,
+                     1.0 / (cpg * s)), HAS_W=flags["HAS_W"], HAS_B=flags["HAS_B"],
+                    BLOCK_K=t.merge_k, BLOCK_C=t.merge_c,
+                    num_warps=_warps(t.merge_k * t.merge_c, 4))
+            _launch(K._gncl_bwd_dx, n * t.s_blocks * t.c_blocks,
+                    (v, dv, dxv, w_, b_, *stats, c1, c2, *v.stride(), *dv.stride(),
+                     *dxv.stride(), c, groups, cpg, s, t.s_blocks, t.c_blocks), **flags,
+                    **tiles)
+    else:
+        block_s, block_c = _group_config(cpg, s, block)
+        s_blocks = _cdiv(s, block_s)
+        tiles = dict(BLOCK_S=block_s, BLOCK_C=block_c, num_warps=_warps(block_s * block_c, 8))
+        with _on_device(x):
+            _launch(K._gn_bwd_sums, n * groups,
+                    (v, dv, w_, b_, *stats, c1, c2, _or(dw, c1), _or(db, c1), *v.stride(),
+                     *dv.stride(), groups, c, cpg, s, 1.0 / (cpg * s)), **flags, **tiles)
+            _launch(K._gn_bwd_dx, n * groups * s_blocks,
+                    (v, dv, dxv, w_, b_, *stats, c1, c2, *v.stride(), *dv.stride(),
+                     *dxv.stride(), groups, cpg, s, s_blocks), **flags, **tiles)
     if parts is not None:
         dw, db = parts.sum(1)
         return dx, dw, db
@@ -543,11 +632,13 @@ def _bn_config(v: Tensor, block: int | None) -> tuple[int, int]:
     return max(1, min(next_pow2(n * s), tile // block_c)), block_c
 
 
-def _bn_chunks(device: torch.device, r: int, block_r: int, c_blocks: int) -> tuple[int, int]:
+def _bn_chunks(device: torch.device, r: int, block_r: int, c_blocks: int,
+               per_sm: int | None = None) -> tuple[int, int]:
     """``(chunks, per_chunk)``: the ``r`` positions of each channel split into chunks of
-    ``per_chunk`` (a multiple of ``block_r``; the last may be shorter), about
-    :data:`BN_CHUNKS_PER_SM` programs per multiprocessor over the ``c_blocks``."""
-    chunks = min(_cdiv(r, block_r), max(1, _cdiv(_programs(device, BN_CHUNKS_PER_SM), c_blocks)))
+    ``per_chunk`` (a multiple of ``block_r``; the last may be shorter), about ``per_sm``
+    (:data:`BN_CHUNKS_PER_SM`) programs per multiprocessor over the ``c_blocks``."""
+    per_sm = BN_CHUNKS_PER_SM if per_sm is None else per_sm
+    chunks = min(_cdiv(r, block_r), max(1, _cdiv(_programs(device, per_sm), c_blocks)))
     per_chunk = _cdiv(_cdiv(r, chunks), block_r) * block_r
     return _cdiv(r, per_chunk), per_chunk
 

@@ -108,6 +108,11 @@ def launches() -> dict[tuple, tuple]:
                 _, mh, ml, rstd = _ops.gn_forward(x, 4, w, b, 1e-5, act, None)
                 _ops.gn_backward(x, torch.randn_like(x), w, b, mh, ml, rstd, 4, act, None)
             _ops.gn_forward(x, 4, None, None, 1e-5, act, None)
+            for c in (64, 256):  # channels-innermost tiles of 64 channels, as on CNN shapes
+                x = rand(2, c, 6, 6).contiguous(memory_format=torch.channels_last)
+                w, b = rand(c), rand(c)
+                _, mh, ml, rstd = _ops.gn_forward(x, 32, w, b, 1e-5, act, None)
+                _ops.gn_backward(x, torch.randn_like(x), w, b, mh, ml, rstd, 32, act, None)
         for layout in (torch.contiguous_format, torch.channels_last):
             x = rand(4, 8, 5, 5, dtype=torch.bfloat16).contiguous(memory_format=layout)
             w, b = rand(8), rand(8)
