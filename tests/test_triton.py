@@ -1015,6 +1015,49 @@ def test_layer_norm2d_auto_policy_is_one_set_entry(layout, monkeypatch):
         assert torch.equal(auto, triton)
 
 
+@pytest.mark.parametrize("op", ["group_norm", "group_norm_act"])
+def test_group_norm_auto_policy_is_one_set_entry_per_layout(op, monkeypatch):
+    """GroupNorm (and GroupNormAct with SiLU) under "auto" on a CUDA input take the Triton
+    kernels exactly for the layouts whose entry is in TRITON_AUTO_OPS: channels-last
+    (the row-of-channels kernels) with "group_norm_channels_last", NCHW with
+    "group_norm"; neither by default yet (the test sets each, so it holds after the
+    policy changes); then with the values and gradients of backend="triton", bitwise."""
+    import normkit.functional as NF
+    from normkit.kernels.triton import _ops
+    from normkit.norms import fused
+
+    _auto_as_on_cuda(monkeypatch)
+    launched = []
+    launch = _ops._launch
+
+    def record(kernel, grid, args, num_warps=4, **constexprs):
+        launched.append(kernel.__name__)
+        return launch(kernel, grid, args, num_warps, **constexprs)
+
+    monkeypatch.setattr(_ops, "_launch", record)
+
+    def run(x, w, b, backend):
+        if op == "group_norm":
+            return NF.group_norm(x, 3, w, b, backend=backend)
+        return fused.group_norm_act(x, 3, w, b, act="silu", backend=backend)
+
+    w, b = param(6), param(6)
+    inputs = {"group_norm": rand(2, 6, 5, 3, layout="nchw"),
+              "group_norm_channels_last": rand(2, 6, 5, 3, layout="nhwc")}
+    base = NF.TRITON_AUTO_OPS - set(inputs)
+    for entry in [None, *inputs]:
+        monkeypatch.setattr(NF, "TRITON_AUTO_OPS", base | ({entry} if entry else set()))
+        for name, x in inputs.items():
+            launched.clear()
+            y = run(x, w, b, "auto")
+            assert bool(launched) == (name == entry), (entry, name, launched)
+            if name == entry:
+                runs = [[t, *torch.autograd.grad(t, [x, w, b], torch.ones_like(t))]
+                        for t in (y, run(x, w, b, "triton"))]
+                for auto, triton in zip(*runs, strict=True):
+                    assert torch.equal(auto, triton)
+
+
 @pytest.mark.parametrize("op", ["ln", "rms"])
 @pytest.mark.parametrize("x_dtype,r_dtype,in_fp32", [
     (F32, F32, False), (BF16, BF16, True), (BF16, F32, False), (F16, None, True),

@@ -181,7 +181,7 @@ def test_auto_picks_triton_on_cuda_for_row_norms_only(monkeypatch):
         assert not F._use_triton("auto", OnCuda(), lambda: False, op)  # kernel can't serve
         assert not F._use_triton("auto", OnCpu(), lambda: True, op)
         assert not F._use_triton("eager", OnCuda(), lambda: True, op)
-    for op in ("batch_norm", "group_norm"):
+    for op in ("batch_norm", "group_norm", "group_norm_channels_last", "layer_norm2d"):
         assert not F._use_triton("auto", OnCuda(), lambda: True, op)
         assert F._use_triton("triton", OnCuda(), lambda: True, op)
     assert F._torch_kernels("auto", OnCuda())

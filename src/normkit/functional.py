@@ -93,8 +93,28 @@ def _small_rows(x: Tensor, backend: str, *params: Tensor | None) -> bool:
 #: in the set until a GPU has timed them against its present route on CUDA, the row
 #: kernels between copies (``benchmarks/gpu_overhead.py opt_in``). Every layer that no
 #: Triton kernel serves on a GPU runs torch's kernel for the device there
-#: (:func:`_torch_kernels`), never normkit's CPU paths.
+#: (:func:`_torch_kernels`), never normkit's CPU paths. GroupNorm (and GroupNormAct) on
+#: channels-innermost input asks for ``"group_norm_channels_last"`` (:func:`_group_norm_op`),
+#: other layouts for ``"group_norm"``: the channels-last kernels (whole rows of channels,
+#: since session 43) can join the set on their own once a GPU has timed them against
+#: torch's, which on an H200 took 1.9x its NCHW time on channels-last input (table 5 of
+#: RESULTS.md's first GPU measurement).
 TRITON_AUTO_OPS = frozenset({"layer_norm", "rms_norm"})
+
+
+def _group_norm_op(x: Tensor) -> str:
+    """The :data:`TRITON_AUTO_OPS` entry a GroupNorm call on ``x`` asks for:
+    ``"group_norm_channels_last"`` where channels are innermost (the layout the Triton
+    GroupNorm reads as rows of channels; one position per channel counts too, whichever
+    kernels then serve it), else ``"group_norm"``. Asked on every call: two attribute
+    reads.
+
+    Example:
+        >>> x = torch.randn(2, 4, 3, 3)
+        >>> _group_norm_op(x), _group_norm_op(x.to(memory_format=torch.channels_last))
+        ('group_norm', 'group_norm_channels_last')
+    """
+    return "group_norm_channels_last" if x.stride(1) == 1 and x.dim() > 2 else "group_norm"
 
 
 def _use_triton(backend: str, x: Tensor, supported, op: str) -> bool:
@@ -834,7 +854,7 @@ def group_norm(
                                   input, weight, bias)
     if input.numel() > 0:  # (torch's GPU kernels first: they need none of the views below)
         if _use_triton(backend, input, lambda: tk.supports_group_norm(
-                input, num_groups, weight, bias), "group_norm"):
+                input, num_groups, weight, bias), _group_norm_op(input)):
             return tk.group_norm(input, num_groups, weight, bias, eps)
         if _torch_kernels(backend, input):
             return torch.nn.functional.group_norm(input, num_groups, weight, bias, eps)

@@ -1666,7 +1666,7 @@ def group_norm_act(
     weight, bias = F._dense_params(weight, bias)
     fused = act if act in ("silu", "identity") else None  # in the Triton kernel
     if F._use_triton(backend, input, lambda: tk.supports_group_norm(
-            input, int(num_groups), weight, bias, act=fused), "group_norm"):
+            input, int(num_groups), weight, bias, act=fused), F._group_norm_op(input)):
         y = tk.group_norm(input, int(num_groups), weight, bias, eps, act=fused)
         return y if fused is not None else _activate(activation, y, False)
     if F._torch_kernels(backend, input):
