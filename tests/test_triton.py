@@ -154,6 +154,23 @@ def check_rows(op, x, w, b, eps=1e-5, block=None):
             close(got, want, dtype, f"d{name}")
 
 
+def record_launches(monkeypatch, *constexprs):
+    """The kernels launched from now on, in order, as a list that fills as they run: each
+    one's name, or ``(name, *values of the constexprs named)`` when some are named."""
+    from normkit.kernels.triton import _ops
+
+    launched = []
+    launch = _ops._launch
+
+    def record(kernel, grid, args, num_warps=4, **values):
+        name = kernel.__name__
+        launched.append((name, *(values.get(k) for k in constexprs)) if constexprs else name)
+        return launch(kernel, grid, args, num_warps, **values)
+
+    monkeypatch.setattr(_ops, "_launch", record)
+    return launched
+
+
 def check_channel_op(y, yd, inputs, refs, dtype):
     """``y`` against its float64 reference ``yd``, then the gradients of ``inputs`` (x,
     weight, bias; None skipped) against those of ``refs``; the input gradient keeps the
@@ -190,14 +207,7 @@ def test_forward_block_wider_than_the_backward(op, width, fwd_single, monkeypatc
 
     monkeypatch.setattr(_ops, "ROW_BLOCK", 16)
     monkeypatch.setattr(_ops, "ROW_FWD_BLOCK", 64)
-    launched = []
-    launch = _ops._launch
-
-    def record(kernel, grid, args, num_warps=4, **constexprs):
-        launched.append((kernel.__name__, constexprs.get("SINGLE"), constexprs["BLOCK"]))
-        return launch(kernel, grid, args, num_warps, **constexprs)
-
-    monkeypatch.setattr(_ops, "_launch", record)
+    launched = record_launches(monkeypatch, "SINGLE", "BLOCK")
     torch.manual_seed(width)
     check_rows(op, rand(3, width), param(width), param(width))
     forward = [entry for entry in launched if entry[0] == "_row_fwd"]
@@ -335,16 +345,7 @@ def test_layer_norm2d(case):
 def test_layer_norm2d_launches_by_layout(monkeypatch):
     """NCHW runs the channels-first kernels (one tile: forward and backward one launch each;
     chunks of channels: the backward's coefficients first); channels-last the rows."""
-    from normkit.kernels.triton import _ops
-
-    launched = []
-    launch = _ops._launch
-
-    def record(kernel, grid, args, num_warps=4, **constexprs):
-        launched.append((kernel.__name__, constexprs.get("SINGLE")))
-        return launch(kernel, grid, args, num_warps, **constexprs)
-
-    monkeypatch.setattr(_ops, "_launch", record)
+    launched = record_launches(monkeypatch, "SINGLE")
     for layout, block, want in (
             ("nchw", None, [("_cf_fwd", True), ("_cf_bwd", True)]),
             ("nchw", 16, [("_cf_fwd", False), ("_cf_bwd_coeffs", None), ("_cf_bwd", False)]),
@@ -436,16 +437,7 @@ def test_group_norm(case):
 def test_group_norm_launches_by_layout(monkeypatch):
     """Channels-innermost input runs the row-of-channels kernels (chunk moments, merge,
     elementwise; backward sums, reduce, dx), NCHW the per-group ones."""
-    from normkit.kernels.triton import _ops
-
-    launched = []
-    launch = _ops._launch
-
-    def record(kernel, grid, args, num_warps=4, **constexprs):
-        launched.append(kernel.__name__)
-        return launch(kernel, grid, args, num_warps, **constexprs)
-
-    monkeypatch.setattr(_ops, "_launch", record)
+    launched = record_launches(monkeypatch)
     for layout, want in (("nchw", ["_gn_stats", "_gn_fwd", "_gn_bwd_sums", "_gn_bwd_dx"]),
                          ("nhwc", ["_gncl_stats", "_gncl_merge", "_gncl_fwd", "_gncl_bwd_sums",
                                    "_gncl_bwd_reduce", "_gncl_bwd_dx"])):
@@ -988,18 +980,10 @@ def test_layer_norm2d_auto_policy_is_one_set_entry(layout, monkeypatch):
     the values and gradients of backend="triton", bitwise; without it, no channels-first
     launch (on a GPU: the row kernels between copies)."""
     import normkit.functional as NF
-    from normkit.kernels.triton import _ops
 
     _auto_as_on_cuda(monkeypatch)
     monkeypatch.setattr(NF, "TRITON_AUTO_OPS", NF.TRITON_AUTO_OPS - {"layer_norm2d"})
-    launched = []
-    launch = _ops._launch
-
-    def record(kernel, grid, args, num_warps=4, **constexprs):
-        launched.append(kernel.__name__)
-        return launch(kernel, grid, args, num_warps, **constexprs)
-
-    monkeypatch.setattr(_ops, "_launch", record)
+    launched = record_launches(monkeypatch)
     x, w, b = rand(2, 6, 5, 3, layout=layout), param(6), param(6)
     NF.layer_norm2d(x, w, b)
     assert launched == []  # (on the CPU: normkit's CPU path; on a GPU: torch's copies)
@@ -1023,18 +1007,10 @@ def test_group_norm_auto_policy_is_one_set_entry_per_layout(op, monkeypatch):
     "group_norm"; neither by default yet (the test sets each, so it holds after the
     policy changes); then with the values and gradients of backend="triton", bitwise."""
     import normkit.functional as NF
-    from normkit.kernels.triton import _ops
     from normkit.norms import fused
 
     _auto_as_on_cuda(monkeypatch)
-    launched = []
-    launch = _ops._launch
-
-    def record(kernel, grid, args, num_warps=4, **constexprs):
-        launched.append(kernel.__name__)
-        return launch(kernel, grid, args, num_warps, **constexprs)
-
-    monkeypatch.setattr(_ops, "_launch", record)
+    launched = record_launches(monkeypatch)
 
     def run(x, w, b, backend):
         if op == "group_norm":

@@ -798,6 +798,28 @@ def _gncl_stats(
 
 
 @_jit
+def _gncl_pass(PMEAN_HI, PMEAN_LO, PM2, base, mean, C, CPG, K, per_chunk, last,
+               SECOND: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A pass over the ``K x CPG`` chunk partials of one (sample, group) (from row
+    ``base``), in float64: ``sum n_k m_k`` (first), or with ``SECOND``
+    ``sum M2_k + n_k (m_k - mean)**2``."""
+    acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float64)
+    for c0 in range(0, CPG, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        for k0 in range(0, K, BLOCK_K):
+            count, m, off, mask = _bn_parts(PMEAN_HI + base, PMEAN_LO + base, k0, cc, cc < CPG,
+                                            C, K, last, per_chunk, BLOCK_K)
+            if SECOND:
+                d = m - mean
+                term = (tl.load(PM2 + base + off, mask=mask, other=0.0).to(tl.float64)
+                        + count[:, None] * d * d)
+            else:
+                term = count[:, None] * m
+            acc += tl.where(mask, term, 0.0)
+    return tl.sum(tl.sum(acc, axis=1), axis=0)
+
+
+@_jit
 def _gncl_merge(
     PMEAN_HI, PMEAN_LO, PM2, MEAN_HI, MEAN_LO, RSTD,
     G, C, CPG, S, K, per_chunk, last, eps,
@@ -810,24 +832,10 @@ def _gncl_merge(
     n = pid // G
     g = pid - n * G
     base = n * K * C + g * CPG
-    acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float64)
-    for c0 in range(0, CPG, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)
-        for k0 in range(0, K, BLOCK_K):
-            count, m, off, mask = _bn_parts(PMEAN_HI + base, PMEAN_LO + base, k0, cc, cc < CPG,
-                                            C, K, last, per_chunk, BLOCK_K)
-            acc += tl.where(mask, count[:, None] * m, 0.0)
-    mean = tl.sum(tl.sum(acc, axis=1), axis=0) / CPG / S
-    acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float64)
-    for c0 in range(0, CPG, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)
-        for k0 in range(0, K, BLOCK_K):
-            count, m, off, mask = _bn_parts(PMEAN_HI + base, PMEAN_LO + base, k0, cc, cc < CPG,
-                                            C, K, last, per_chunk, BLOCK_K)
-            d = m - mean
-            m2 = tl.load(PM2 + base + off, mask=mask, other=0.0).to(tl.float64)
-            acc += tl.where(mask, m2 + count[:, None] * d * d, 0.0)
-    var = tl.sum(tl.sum(acc, axis=1), axis=0) / CPG / S
+    mean = _gncl_pass(PMEAN_HI, PMEAN_LO, PM2, base, 0.0, C, CPG, K, per_chunk, last, False,
+                      BLOCK_K, BLOCK_C) / CPG / S
+    var = _gncl_pass(PMEAN_HI, PMEAN_LO, PM2, base, mean, C, CPG, K, per_chunk, last, True,
+                     BLOCK_K, BLOCK_C) / CPG / S
     mean_hi = mean.to(tl.float32)
     tl.store(MEAN_HI + pid, mean_hi)
     tl.store(MEAN_LO + pid, (mean - mean_hi.to(tl.float64)).to(tl.float32))

@@ -458,6 +458,16 @@ class _GroupTiles(NamedTuple):
     merge_k: int  # chunks and channels of one merge tile
     merge_c: int
 
+    def tiles(self) -> dict:
+        """The tile constexprs and warps of the statistics/sums and elementwise kernels."""
+        return dict(BLOCK_R=self.block_r, BLOCK_C=self.block_c,
+                    num_warps=_warps(self.block_r * self.block_c, 8))
+
+    def merge_tiles(self) -> dict:
+        """Those of the per-(sample, group) merge and reduce kernels."""
+        return dict(BLOCK_K=self.merge_k, BLOCK_C=self.merge_c,
+                    num_warps=_warps(self.merge_k * self.merge_c, 4))
+
 
 def _gncl_config(v: Tensor, groups: int, block: int | None) -> _GroupTiles:
     """Tiles of whole channel rows (up to 64 channels: 256 contiguous bytes in float32, as
@@ -493,18 +503,16 @@ def gn_forward(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | Non
     if _channels_inner(v):
         t = _gncl_config(v, groups, block)
         parts = torch.empty((3, n * t.chunks, c), **f32)
-        tiles = dict(BLOCK_R=t.block_r, BLOCK_C=t.block_c,
-                     num_warps=_warps(t.block_r * t.block_c, 8))
         with _on_device(x):
             _launch(K._gncl_stats, n * t.chunks * t.c_blocks,
-                    (v, *parts, *v.stride(), c, s, t.chunks, t.per_chunk, t.c_blocks), **tiles)
+                    (v, *parts, *v.stride(), c, s, t.chunks, t.per_chunk, t.c_blocks),
+                    **t.tiles())
             _launch(K._gncl_merge, n * groups,
                     (*parts, mean_hi, mean_lo, rstd, groups, c, cpg, s, t.chunks, t.per_chunk,
-                     t.last, eps), BLOCK_K=t.merge_k, BLOCK_C=t.merge_c,
-                    num_warps=_warps(t.merge_k * t.merge_c, 4))
+                     t.last, eps), **t.merge_tiles())
             _launch(K._gncl_fwd, n * t.s_blocks * t.c_blocks,
                     (v, yv, *affine, mean_hi, mean_lo, rstd, *v.stride(), *yv.stride(), c,
-                     groups, cpg, s, t.s_blocks, t.c_blocks), **flags, **tiles)
+                     groups, cpg, s, t.s_blocks, t.c_blocks), **flags, **t.tiles())
         return y, mean_hi, mean_lo, rstd
     block_s, block_c = _group_config(cpg, s, block)
     s_blocks = _cdiv(s, block_s)
@@ -541,21 +549,18 @@ def gn_backward(x: Tensor, dy: Tensor, weight: Tensor | None, bias: Tensor | Non
     if _channels_inner(v):
         t = _gncl_config(v, groups, block)
         sums = torch.empty((2, n * t.chunks, c), **f32)
-        tiles = dict(BLOCK_R=t.block_r, BLOCK_C=t.block_c,
-                     num_warps=_warps(t.block_r * t.block_c, 8))
         with _on_device(x):
             _launch(K._gncl_bwd_sums, n * t.chunks * t.c_blocks,
                     (v, dv, w_, b_, *stats, *sums, *v.stride(), *dv.stride(), c, groups, cpg,
-                     s, t.chunks, t.per_chunk, t.c_blocks), **flags, **tiles)
+                     s, t.chunks, t.per_chunk, t.c_blocks), **flags, **t.tiles())
             _launch(K._gncl_bwd_reduce, n * groups,
                     (*sums, w_, c1, c2, _or(dw, c1), _or(db, c1), groups, c, cpg, t.chunks,
                      1.0 / (cpg * s)), HAS_W=flags["HAS_W"], HAS_B=flags["HAS_B"],
-                    BLOCK_K=t.merge_k, BLOCK_C=t.merge_c,
-                    num_warps=_warps(t.merge_k * t.merge_c, 4))
+                    **t.merge_tiles())
             _launch(K._gncl_bwd_dx, n * t.s_blocks * t.c_blocks,
                     (v, dv, dxv, w_, b_, *stats, c1, c2, *v.stride(), *dv.stride(),
                      *dxv.stride(), c, groups, cpg, s, t.s_blocks, t.c_blocks), **flags,
-                    **tiles)
+                    **t.tiles())
     else:
         block_s, block_c = _group_config(cpg, s, block)
         s_blocks = _cdiv(s, block_s)
