@@ -38,7 +38,8 @@ ROW_BLOCK = 8192
 #: Widest row the LayerNorm/RMSNorm *forward* keeps in registers (one read of ``x``; wider
 #: rows take a statistics pass first, two reads, in chunks of ``ROW_BLOCK``). Its
 #: single-block program holds ``x``, weight and bias only, so it fits twice the
-#: backward's width (45-61 registers at 32 warps for sm_90, ``compile_check``).
+#: backward's width (32-48 registers at 32 warps for sm_90 as launched, ``compile_check``,
+#: Triton 3.6 and 3.9).
 ROW_FWD_BLOCK = 16384
 #: Warps of the forward's single-block programs wider than ``ROW_BLOCK`` (16384 values:
 #: 16 per thread, as 8192 at 16 warps).

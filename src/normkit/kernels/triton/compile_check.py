@@ -19,8 +19,16 @@ registers per thread and ``LOCAL`` bytes of local memory per thread, which in th
 kernels (no local arrays) means registers spilled to memory, a slowdown a GPU run would
 only show as lost bandwidth. ``--fail-on-spills`` makes a spilling variant a failure (CI
 runs it: ``tests/test_triton_dispatch.py``). The widest rows are what spill first:
-``ROW_BLOCK`` (8192) is set where the float32 backward uses 128 registers at 16 warps,
-the most a 512-thread program can have without spilling.
+``ROW_BLOCK`` (8192) was set where the float32 backward used 128 registers at 16 warps
+in a compile without the JIT's specialization, the most a 512-thread program can have
+without spilling; as launched it uses 92-111 (Triton 3.6 and 3.9).
+
+Each launch is specialized as Triton's JIT specializes it at run time (where the
+installed Triton exposes its ``native_specialize_impl``, 3.6 to 3.9): an integer equal to
+1 becomes a constant, integers and data pointers divisible by 16 carry that divisibility.
+Without it the compiler cannot know that a channel stride is 1, and it may lay a tile out
+along the wrong axis: Triton 3.6 then compiled the channels-last BatchNorm/GroupNorm tiles
+uncoalesced at 144-251 registers (session 43), figures no real launch has.
 
 It needs ``triton`` imported *without* the interpreter (``TRITON_INTERPRET`` unset), and
 uses ``triton.compiler.ASTSource`` as in Triton 3.6 to 3.9 (a semi-public interface; run
@@ -61,17 +69,48 @@ def _signature(kernel, args: tuple, constexprs: dict) -> dict[str, str]:
     return signature
 
 
+def _specialization(kernel, args: tuple, constexprs: dict
+                    ) -> tuple[dict[str, str], dict, dict] | None:
+    """``(signature, constants, attributes)`` of a launch as Triton's JIT specializes it
+    (``JITFunction._pack_args``: integers equal to 1 become constants, integers and
+    pointers divisible by 16 get ``tt.divisibility``), or None where the installed Triton
+    has no ``native_specialize_impl``."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        return None
+    signature, constants, attrs = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            constants[(index,)] = constexprs[name]
+            continue
+        kind, attr = native_specialize_impl(BaseBackend, args[index], False, True, True)[:2]
+        signature[name] = kind
+        if kind == "constexpr":
+            constants[(index,)] = attr
+        elif isinstance(attr, str):
+            attrs[(index,)] = BaseBackend.parse_attr(attr)
+    return signature, constants, attrs
+
+
 def launches() -> dict[tuple, tuple]:
-    """Every distinct launch of the ops on a representative set of small inputs."""
+    """Every distinct launch of the ops on a representative set of small inputs:
+    ``(kernel, signature, constants, num_warps, attributes)`` by a key of all of them."""
     from . import _ops
 
     seen: dict[tuple, tuple] = {}
 
     def record(kernel, grid, args, constexprs, num_warps):
-        signature = _signature(kernel, args, constexprs)
-        key = (kernel.__name__, tuple(signature.items()), tuple(sorted(constexprs.items())),
-               num_warps)
-        seen.setdefault(key, (kernel, signature, dict(constexprs), num_warps))
+        special = _specialization(kernel, args, constexprs)
+        if special is None:  # (no runtime specialization: generic types, names)
+            special = (_signature(kernel, args, constexprs), dict(constexprs), {})
+        signature, constants, attrs = special
+        key = (kernel.__name__, tuple(signature.items()),
+               tuple(sorted((str(k), v) for k, v in constants.items())),
+               tuple(sorted((k, str(v)) for k, v in attrs.items())), num_warps)
+        seen.setdefault(key, (kernel, signature, constants, num_warps, attrs))
 
     def rand(*shape, dtype=torch.float32):
         return torch.randn(*shape).to(dtype)
@@ -113,9 +152,10 @@ def launches() -> dict[tuple, tuple]:
                 w, b = rand(c), rand(c)
                 _, mh, ml, rstd = _ops.gn_forward(x, 32, w, b, 1e-5, act, None)
                 _ops.gn_backward(x, torch.randn_like(x), w, b, mh, ml, rstd, 32, act, None)
-        for layout in (torch.contiguous_format, torch.channels_last):
-            x = rand(4, 8, 5, 5, dtype=torch.bfloat16).contiguous(memory_format=layout)
-            w, b = rand(8), rand(8)
+        for layout, c in ((torch.contiguous_format, 8), (torch.channels_last, 8),
+                          (torch.channels_last, 64)):  # (64: the tiles of CNN shapes)
+            x = rand(4, c, 5, 5, dtype=torch.bfloat16).contiguous(memory_format=layout)
+            w, b = rand(c), rand(c)
             mh, ml, _, rstd = _ops.bn_stats(x, 1e-5, None)
             for params in ((w, b), (None, None)):
                 _ops.bn_apply(x, mh, ml, rstd, *params, None)
@@ -186,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     failures = spills = 0
     for arch in options.arch:
         target = GPUTarget("cuda", arch, 32)
-        for (name, sig, constexprs, warps), (kernel, signature, values, num_warps) in todo.items():
+        for (name, sig, _, _, warps), (kernel, signature, values, num_warps,
+                                        attrs) in todo.items():
             start = time.perf_counter()
             try:
-                compiled = triton.compile(ASTSource(kernel, signature, values), target=target,
+                compiled = triton.compile(ASTSource(kernel, signature, values, attrs),
+                                          target=target,
                                           options={"num_warps": num_warps, **COMPILE_OPTIONS})
                 status = f"ok   {len(compiled.asm['cubin']):>7} B cubin"
                 usage = None if cuobjdump is None else resource_usage(compiled.asm["cubin"],
@@ -202,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:  # report every failing variant, then fail
                 failures += 1
                 status = f"FAIL {type(error).__name__}: {str(error).splitlines()[0][:200]}"
-            flags = " ".join(f"{k}={v}" for k, v in constexprs)
+            flags = " ".join(f"{k}={v}" for k, v in sorted(
+                (n, values.get((i,), values.get(n))) for i, n in enumerate(kernel.arg_names)
+                if signature.get(n) == "constexpr" and n.isupper()))
             dtype = dict(sig).get(kernel.arg_names[0], "")
             print(f"sm_{arch} {name:<16} {dtype:<5} warps={warps:<2} {status}  "
                   f"({time.perf_counter() - start:.1f}s)  {flags}", flush=True)
