@@ -17,7 +17,9 @@
 #   results-gpu-widths.json, RESULTS-gpu-widths.md   LayerNorm/RMSNorm and their add ops
 #                    at 4096 rows of width 256 to 16384 (issue 6: fwd+bwd >= torch eager
 #                    at every width; fwd >= 80% of HBM peak from 1024)
-#   targets-gpu.md   issue 6 GPU targets over both runs (normkit bench --summarize)
+#   targets-gpu.md   issue 6 GPU targets over both runs (normkit bench --summarize), then
+#                    those of normkit's Triton BatchNorm/GroupNorm on channels-last
+#                    (--backend triton, eager and CUDA graphs; their tables in steps.log)
 #
 # The device machine reaches no package registry, and its image has no Liger-Kernel: the
 # wheels in benchmarks/wheels/ (ignored by git; `bash benchmarks/gpu_wheels.sh` downloads
@@ -126,6 +128,28 @@ if [ "$code" = 0 ]; then shown="$part"; else shown="$part.log"; fi
 tail -n 12 "$shown"
 rm -f "$part" "$part.log"
 
+# normkit's Triton BatchNorm and GroupNorm on channels-last input, which "auto" leaves to
+# torch's kernels on CUDA (`normkit bench --backend triton`): issue 6's "GN/BN
+# channels_last >= 1.5x" for these kernels, eager and, on the GPU, as CUDA graph replays;
+# the tables into steps.log, the targets' verdicts after the main ones in targets-gpu.md
+if [ "$device" = cuda ]; then tshapes=32x64x56x56:cl,32x256x14x14:cl tenv=""
+else tshapes=2x8x3x3:cl tenv=TRITON_INTERPRET=1; fi  # (the dry run: the interpreter)
+triton_runs=()
+for mode in eager $graphs; do
+    json=$(mktemp --suffix .json)
+    timeout -k 15 90 env $tenv "$python" -m normkit bench batch_norm group_norm \
+        --backend triton --device "$device" --shapes "$tshapes" --repeats "$repeats" \
+        --flush-mib "$flush" --quiet --peak-gbs 4800 \
+        $([ "$mode" = eager ] || echo --cuda-graphs) --json "$json" --markdown "$part" \
+        > "$part.log" 2>&1
+    code=$?; echo "triton $mode: exit $code (tail of $steps)"
+    if [ "$code" = 0 ]; then shown="$part" triton_runs+=("$mode:$json")
+    else shown="$part.log" failed="$failed triton-$mode"; fi
+    { echo "== triton channels-last, $mode: exit $code"; cat "$shown"; } >> "$steps"
+    tail -n 6 "$shown"
+done
+rm -f "$part" "$part.log"
+
 if [ "$device" = cuda ]; then
     timeout -k 15 120 "$python" benchmarks/gpu_overhead.py > "$out/overhead.txt" 2>&1
 else  # (the interpreter is slow: rehearse the first step only)
@@ -149,6 +173,11 @@ code=$?; echo "steps: exit $code ($out/overhead.txt)"
     > "$out/targets-gpu.md" 2>&1
 code=$?; echo "targets: exit $code ($out/targets-gpu.md)"
 [ "$code" = 0 ] || failed="$failed targets"
+for run in "${triton_runs[@]}"; do  # (each timing apart: pooled, the eager rows decide)
+    { echo; echo "## normkit bench --backend triton (${run%%:*}): channels-last BN, GN"; echo
+      "$python" -m normkit bench --summarize "${run#*:}"; } >> "$out/targets-gpu.md" 2>&1
+    rm -f "${run#*:}"
+done
 cat "$out/targets-gpu.md"
 # the tests last: on the H200 of 2026-12-04 every other step took ~150 s together, and
 # the tests' Triton compiles take the rest (the fuzz tests compile a variant per drawn

@@ -161,6 +161,7 @@ def test_plan_skips_ops_without_a_matching_shape():
 @pytest.mark.parametrize("kwargs", [
     {"device": "tpu"}, {"threads": (0,)}, {"dtype": "int8"}, {"input": "zeros"},
     {"repeats": 0}, {"shapes": "4x4x4x4x4"}, {"flush_mib": -1}, {"cuda_graphs": True},
+    {"backend": "reference"},
 ])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
@@ -499,6 +500,35 @@ def test_cuda_graphs_setting_is_recorded_and_explained():
     assert "compare kernels here, not eager calls" in text  # (the targets section says so)
 
 
+def test_backend_is_set_on_normkit_modules_and_recorded(monkeypatch):
+    """--backend sets every normkit module's backend (the layers read it per call) and the
+    document and its Markdown say so; "auto" leaves the modules as built, and a module
+    with no backend to set is refused, saying which."""
+    from normkit.bench import runner
+
+    built = []
+    original = runner.with_backend
+
+    def spy(module, backend):
+        built.append(original(module, backend))
+        return built[-1]
+
+    monkeypatch.setattr(runner, "with_backend", spy)
+    doc = run(BenchConfig(ops=("group_norm", "layer_norm"), shapes="4x8,2x8x3x3:cl",
+                          backend="eager", **TINY))
+    assert doc["settings"]["backend"] == "eager"
+    assert {type(m).__name__ for m in built} == {"GroupNorm", "LayerNorm"}
+    assert all(m.backend == "eager" for m in built)
+    assert all("error" not in r["impls"]["normkit"] or r["impls"]["normkit"]["error"] is None
+               for r in doc["results"])
+    assert "normkit backend: 'eager'" in report.to_markdown(doc)
+    auto = run(BenchConfig(ops=("rms_norm",), shapes="4x8", **TINY))
+    assert auto["settings"]["backend"] == "auto"
+    assert "normkit backend" not in report.to_markdown(auto)
+    with pytest.raises(ValueError, match="Identity has no backend to set to 'triton'"):
+        original(torch.nn.Identity(), "triton")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_timing_replays_every_implementation():
     """On a GPU, --cuda-graphs times replays: every implementation gets a time and a
@@ -593,6 +623,7 @@ def test_cli_unavailable_fused_op_is_a_usage_error(capsys, monkeypatch):
     (["--dtype", "float64"], "invalid choice: 'float64'"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--repeats", "0"], "expected repeats >= 1"),
+    (["--backend", "cudnn"], "invalid choice: 'cudnn'"),
     (["rms_norm", "--shapes", "2x3x4x5"], "nothing to run with --shapes '2x3x4x5'"),
 ])
 def test_cli_argument_errors(capsys, argv, message):
@@ -777,7 +808,7 @@ def test_gpu_check_script_rehearses_on_the_cpu(background_result):
     background job: it runs while the rest of the suite does)."""
     done, out = background_result, background_result.tmp / "gpu-out"
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    for step in ("bench", "sweep", "targets"):
+    for step in ("bench", "sweep", "triton eager", "targets"):
         assert f"{step}: exit 0" in done.stdout, done.stdout[-3000:]
     assert "tests: skipped (dry run)" in done.stdout
     assert "wheels: exit 0 (1 installed)" in done.stdout
@@ -801,6 +832,11 @@ def test_gpu_check_script_rehearses_on_the_cpu(background_result):
     assert "| BatchNorm2d" in (out / "RESULTS-gpu.md").read_text()
     targets = (out / "targets-gpu.md").read_text()
     assert targets.startswith("## Issue #6 targets") and "results-gpu-widths.json" in targets
+    # normkit's Triton BatchNorm/GroupNorm on channels-last (--backend triton, through the
+    # interpreter here): their table in steps.log, their verdicts after the main ones
+    assert "== triton channels-last, eager: exit 0" in steps
+    assert "normkit backend: 'triton'" in steps
+    assert "## normkit bench --backend triton (eager): channels-last BN, GN" in targets
 
 
 def test_accuracy_script_measures_outputs_and_input_gradients(monkeypatch):

@@ -16,7 +16,7 @@ from .._files import unwritable_reason, write_text_atomic
 from . import compare
 from .ops import EXTERNALS, OPS, SHAPE_SETS, get_op, op_names
 from .report import to_json, to_markdown
-from .runner import DTYPES, INPUTS, BenchConfig, errors, plan, run
+from .runner import BENCH_BACKENDS, DTYPES, INPUTS, BenchConfig, errors, plan, run
 from .targets import markdown_lines
 
 __all__ = ["main", "build_parser"]
@@ -180,6 +180,11 @@ def build_parser(prog: str = "normkit bench") -> argparse.ArgumentParser:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="CUDA: time each call captured in a CUDA graph and replayed -- "
                              "the kernels' time without the host's, for every implementation")
+    parser.add_argument("--backend", choices=BENCH_BACKENDS, default="auto",
+                        help="backend of normkit's modules: auto (as users get them), eager "
+                        "(the compensated statistics everywhere) or triton (normkit's Triton "
+                        "kernels on CUDA, also for the ops whose auto runs torch's there) "
+                        "(default: auto)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
     parser.add_argument("--peak-gbs", type=_positive, default=None, metavar="GB/S",
                         help="the device's nominal memory bandwidth, for the targets stated "
@@ -315,7 +320,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "normkit bench") -> int:
                              input=args.input, repeats=args.repeats, warmup=args.warmup,
                              min_time=args.min_time, compile=args.compile,
                              copy_mib=args.copy_mib, seed=args.seed,
-                             flush_mib=args.flush_mib, cuda_graphs=args.cuda_graphs)
+                             flush_mib=args.flush_mib, cuda_graphs=args.cuda_graphs,
+                             backend=args.backend)
     except ValueError as error:
         parser.error(str(error))
     cases, skipped = plan(config)

@@ -215,6 +215,8 @@ def to_markdown(doc: dict) -> str:
             "timed: the kernels' time without the host's (Python, dispatch, launches), "
             "for every implementation alike; eager calls also pay the host")]
           if settings.get("cuda_graphs") else []),
+        *([f"- normkit backend: {settings['backend']!r} (every normkit module set to it; "
+           "the default is 'auto')"] if settings.get("backend", "auto") != "auto" else []),
         "",
     ]
     if doc.get("interrupted"):

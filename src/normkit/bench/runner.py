@@ -5,7 +5,8 @@ One case is an op on one shape at one thread count; it yields one record per pas
 
 * ``torch``: torch eager, the reference every ratio divides by (for what torch lacks,
   the natural composition, see :mod:`normkit.bench.ops`);
-* ``normkit``: the normkit module, default (``auto``) backend;
+* ``normkit``: the normkit module, on the ``auto`` backend unless ``--backend`` names
+  another (``triton``: normkit's Triton kernels where ``auto`` runs torch's on CUDA);
 * ``torch.compile``, ``normkit.compile``: the torch module and the normkit module under
   ``torch.compile(dynamic=False)`` (opt-in); the first call of each pass (compile + one
   run) is reported as ``compile_s`` and kept out of the timings; compile caches are
@@ -27,7 +28,7 @@ JSON document (``schema`` = :data:`SCHEMA`)::
                      "allocator": {"transparent_hugepage", "normkit_huge_pages",
                                    "page_reporting_order", "variables"}},
      "settings": {"ops", "shapes", "shape_list", "repeats", "warmup", "min_time_s",
-                  "compile", "seed", "flush_mib"},
+                  "compile", "seed", "flush_mib", "cuda_graphs", "backend"},
      "implementations": {"torch": {"used": true, "reason": null}, "liger": {...}, ...},
      "ops": [{"op", "kind", "normkit", "baseline", "available", "reason"}],
      "results": [{"op", "shape": [M, D], "layout", "pass", "threads", "ideal_bytes",
@@ -64,8 +65,8 @@ from torch import nn
 from . import measure
 from .ops import EXTERNALS, OPS, PASSES, Op, Shape, get_op, parse_shapes
 
-__all__ = ["SCHEMA", "DTYPES", "INPUTS", "DEFAULT_FLUSH_MIB", "BenchConfig", "run", "plan",
-           "errors", "make_input", "environment"]
+__all__ = ["SCHEMA", "DTYPES", "INPUTS", "DEFAULT_FLUSH_MIB", "BENCH_BACKENDS", "BenchConfig",
+           "run", "plan", "errors", "make_input", "environment", "with_backend"]
 
 #: The version tag of the JSON document.
 SCHEMA = "normkit-bench/1"
@@ -86,6 +87,30 @@ _OFFSET = 100.0
 #: Implementation names in column order.
 IMPLEMENTATIONS = ("torch", "normkit", "torch.compile", "normkit.compile",
                    *(ext.name for ext in EXTERNALS))
+#: ``BenchConfig.backend`` values: the normkit backends worth timing.
+BENCH_BACKENDS = ("auto", "eager", "triton")
+
+
+def with_backend(module: nn.Module, backend: str) -> nn.Module:
+    """``module`` with ``backend`` set on every submodule that has one (normkit's layers
+    read ``self.backend`` at each call); ``"auto"`` leaves it as built. ValueError where
+    no submodule has a backend to set.
+
+    Example:
+        >>> import normkit
+        >>> with_backend(normkit.GroupNorm(2, 4), "triton").backend
+        'triton'
+    """
+    if backend == "auto":
+        return module
+    layers = [m for m in module.modules() if isinstance(getattr(m, "backend", None), str)]
+    if not layers:
+        raise ValueError(f"{type(module).__name__} has no backend to set to {backend!r}")
+    for layer in layers:
+        layer.backend = backend
+    return module
+
+
 #: The implementations that run under torch.compile.
 COMPILED = ("torch.compile", "normkit.compile")
 
@@ -128,6 +153,11 @@ class BenchConfig:
             host 20-100+ us (Python, dispatch, launches), more than a small
             normalization's kernels take, so eager timings of small shapes measure the
             host; graph replays measure what the GPU does.
+        backend: the ``backend`` of normkit's modules: ``"auto"`` (as users get them),
+            ``"eager"`` (the compensated statistics everywhere) or ``"triton"``
+            (normkit's Triton kernels on CUDA, also where ``"auto"`` runs torch's, e.g.
+            BatchNorm and GroupNorm); an op whose module has no backend records a build
+            error for normkit.
 
     Example:
         >>> config = BenchConfig(ops=("layer_norm",), threads=(1, 2), shapes="small")
@@ -150,6 +180,7 @@ class BenchConfig:
     seed: int = 0
     flush_mib: int | None = None
     cuda_graphs: bool = False
+    backend: str = "auto"
     shape_list: tuple[Shape, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +204,9 @@ class BenchConfig:
             raise ValueError(f"expected repeats >= 1, warmup >= 0, min_time >= 0 and "
                              f"copy_mib >= 1, got {self.repeats}, {self.warmup}, "
                              f"{self.min_time}, {self.copy_mib}")
+        if self.backend not in BENCH_BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BENCH_BACKENDS)}, got "
+                             f"{self.backend!r}")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError(f"cuda_graphs times CUDA graph replays and needs device "
                              f"'cuda', got device {self.device!r}")
@@ -455,7 +489,7 @@ class _Case:
         if name == "torch":
             module = self.op.baseline(dims)
         elif name in ("normkit", "normkit.compile"):
-            module = self.op.build(self.op.resolve(), dims)
+            module = with_backend(self.op.build(self.op.resolve(), dims), self.config.backend)
         elif name == "torch.compile":
             module = self.op.baseline(dims)
         else:
@@ -600,7 +634,7 @@ def run(config: BenchConfig | None = None, *, command: str | None = None,
                      "repeats": config.repeats, "warmup": config.warmup,
                      "min_time_s": config.min_time, "compile": config.compile,
                      "seed": config.seed, "flush_mib": config.flush_mib,
-                     "cuda_graphs": config.cuda_graphs},
+                     "cuda_graphs": config.cuda_graphs, "backend": config.backend},
         "implementations": used,
         "ops": [{"op": op.name, "kind": op.kind, "normkit": op.normkit_doc,
                  "baseline": op.baseline_doc, "available": reason is None, "reason": reason}
