@@ -447,7 +447,9 @@ def opt_in() -> None:
       channels-first kernels (``backend="triton"``, not yet measured on a GPU);
     * training BatchNorm and GroupNorm(32) on channels-last input: torch, normkit under
       ``"auto"`` (torch's kernels behind normkit's wrapper) and normkit's Triton kernels
-      (channels-last BatchNorm without the per-position division since ``972c1f2``)."""
+      (channels-last BatchNorm without the per-position division since ``972c1f2``;
+      GroupNorm as tiles of whole channel rows since ``8f0b9f6``, whose entry
+      ``"group_norm_channels_last"`` in ``TRITON_AUTO_OPS`` would make them ``"auto"``'s)."""
     import normkit.functional as NF
 
     big = DEV == "cuda"
