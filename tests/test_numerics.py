@@ -942,3 +942,61 @@ def test_16bit_channels_last_batch_norm_gradient_whatever_the_upstream_gradients
     ref = x0.double().requires_grad_()
     (want,) = torch.autograd.grad(torch.nn.BatchNorm2d(3).double()(ref), ref, x0.double())
     assert_grad_close(grads[1], want, dtype, "dx, NCHW upstream gradient")
+
+
+#: Layers whose fast path repairs a few ill-conditioned rows or groups
+#: (``native.RowRepair``): ``(module, input shape, which slice of the input to offset,
+#: float64 reference)``. One row or group in 16 sits at ``|mean| / std`` ~1e4, past every
+#: kernel's bound, so the kernel keeps the others and the repair takes that one.
+_REPAIRED = {
+    "LayerNorm": (lambda: normkit.LayerNorm(24), (16, 24), (3,),
+                  lambda x, w, b: torch.nn.functional.layer_norm(x, (24,), w, b)),
+    "GroupNorm": (lambda: normkit.GroupNorm(4, 8), (4, 8, 5, 5), (1, slice(2, 4)),
+                  lambda x, w, b: torch.nn.functional.group_norm(x, 4, w, b)),
+    "InstanceNorm2d": (lambda: normkit.InstanceNorm2d(4, affine=True), (4, 4, 6, 6), (2, 1),
+                       lambda x, w, b: torch.nn.functional.instance_norm(x, weight=w,
+                                                                         bias=b)),
+    "LayerNorm2d": (lambda: normkit.LayerNorm2d(6), (2, 6, 9, 9), (1, slice(None), 4, 5),
+                    lambda x, w, b: torch.nn.functional.layer_norm(
+                        x.movedim(1, -1), (6,), w, b).movedim(-1, 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(_REPAIRED))
+def test_second_derivatives_through_repaired_rows(name, monkeypatch):
+    """Double backward through a node whose forward repaired a few rows or groups
+    differentiates normkit's reference math over every row (``native.repair_rows``,
+    ``group_norm_with_stats``): first and second derivatives, input and parameters,
+    within the float32 gradient tolerance of float64's; the repair is asserted to have
+    run, so the test covers that node and not the all-compensated path."""
+    from normkit.kernels import native
+
+    make, shape, where, reference = _REPAIRED[name]
+    repaired = []
+    apply = native.RowRepair.apply
+    monkeypatch.setattr(native.RowRepair, "apply",
+                        staticmethod(lambda *a, **k: repaired.append(1) or apply(*a, **k)))
+    gen = torch.Generator().manual_seed(3)
+    module = make()
+    names = [n for n, _ in module.named_parameters()]
+    params = list(module.parameters())
+    with torch.no_grad():
+        for p in params:
+            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x[where] = x[where] * 0.5 + 5e3
+    x = x.float()
+    dy = torch.randn(shape, generator=gen)
+    directions = [torch.randn(t.shape, generator=gen, dtype=torch.float64)
+                  for t in (x, *params)]
+
+    def layer(x, *p):
+        return torch.func.functional_call(module, dict(zip(names, p, strict=True)), (x,))
+
+    got = _first_and_second(layer, x, params, dy, directions, torch.float32)
+    assert repaired, f"{name}: the repair did not run (the test needs its node)"
+    want = _first_and_second(reference, x, params, dy, directions, torch.float64)
+    for order, (gs, ws) in enumerate(zip(got, want, strict=True), 1):
+        for i, (g, w) in enumerate(zip(gs, ws, strict=True)):
+            assert_grad_close(g.detach(), w.detach(), torch.float32,
+                              f"{name} derivative {order} of input {i}")
