@@ -66,6 +66,12 @@ BAD = {
         ["3 channels", "(2, 4, 5, 5)"]),
     "in-one-spatial-element": (lambda: normkit.InstanceNorm1d(3)(torch.randn(2, 3, 1)),
                                ["more than 1 spatial element", "(2, 3, 1)"]),
+    "in-functional-no-spatial-dim": (lambda: F.instance_norm(torch.randn(2, 3)),
+                                     ["(N, C, *)", "at least one spatial", "2D", "(2, 3)"]),
+    "in-running-stats-missing": (
+        lambda: F.instance_norm(torch.randn(2, 3, 4), torch.zeros(3), None,
+                                use_input_stats=False),
+        ["use_input_stats=False", "running_mean=a tensor", "running_var=None"]),
     "in-wrong-ndim": (lambda: normkit.InstanceNorm2d(3)(torch.randn(3, 5)), ["3D", "4D", "2D"]),
     "ln2d-wrong-channels": (lambda: normkit.LayerNorm2d(8)(torch.randn(2, 4, 3, 3)),
                             ["(N, 8, *)", "(2, 4, 3, 3)"]),

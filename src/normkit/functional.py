@@ -465,8 +465,10 @@ def instance_norm(
     if not use_input_stats:
         if running_mean is None or running_var is None:
             raise ValueError(
-                f"{who} expected running_mean and running_var when use_input_stats=False, "
-                "got None"
+                f"{who} expected running_mean and running_var tensors when "
+                f"use_input_stats=False, got running_mean="
+                f"{'None' if running_mean is None else 'a tensor'} and running_var="
+                f"{'None' if running_var is None else 'a tensor'}"
             )
         # per-channel running statistics: inference BatchNorm's math, so its kernels
         if _torch_kernels(backend, input):
