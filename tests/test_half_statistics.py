@@ -172,6 +172,23 @@ def test_transforms_and_compilation_do_not_check():
         check_running_statistics(bn)  # unchanged
 
 
+def test_statistics_made_under_inference_mode_are_checked_too():
+    """Buffers created under ``torch.inference_mode`` (a model built or loaded there)
+    have no version counter to key the once-per-change check by: they are checked by
+    their identity and dtype, so a NaN in them warns once, and the layer still runs."""
+    with torch.inference_mode():
+        bn = normkit.BatchNorm1d(3).eval()
+        bn.running_var[1] = float("nan")
+        x = torch.randn(4, 3)
+        with pytest.warns(RuntimeWarning, match="running_var holds 1 NaN/Inf"):
+            y = bn(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = bn(x)  # (the same tensors: not read again)
+        torch.testing.assert_close(again, y, equal_nan=True, rtol=0, atol=0)
+    assert bool(y[:, 1].isnan().all()) and not bool(y[:, [0, 2]].isnan().any())
+
+
 def test_doctor_names_the_float16_overflow_and_not_a_stale_statistic():
     from normkit.tools.doctor import doctor
 
