@@ -1002,6 +1002,12 @@ def test_batch_norm_act2d_loads_a_trained_batchnorm_and_matches_it():
     assert "act='relu'" in repr(ours) and "memory" not in repr(ours)
     assert "memory='inplace'" in repr(BatchNormAct2d(3, act="elu", memory="inplace"))
     assert "act='silu'" in repr(GroupNormAct(1, 3, act="silu"))
+    # (an activation's own parameter shows beside it: printed models tell slopes apart)
+    for make in (lambda **k: BatchNormAct2d(3, **k), lambda **k: GroupNormAct(1, 3, **k)):
+        assert repr(make(act="leaky_relu", negative_slope=0.2)).endswith(
+            "act='leaky_relu', negative_slope=0.2)")
+        assert repr(make(act="elu", alpha=0.5)).endswith("act='elu', alpha=0.5)")
+        assert "alpha" not in repr(make(act="leaky_relu"))
     assert "residual_in_fp32=True" in repr(AddRMSNorm(3, residual_in_fp32=True))
 
 
