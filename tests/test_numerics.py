@@ -900,26 +900,32 @@ def test_gradients_over_few_values_per_statistic_hold_float32_tolerance(name):
     make, shape, reference = _FEW_VALUES[name]
     gen = torch.Generator().manual_seed(0)
     for draw in range(32):
-        module = make()
-        names = [n for n, _ in module.named_parameters()]
-        params = list(module.parameters())
-        with torch.no_grad():
-            for p in params:
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
         x = torch.randn(shape, generator=gen) * 2 + (0.0 if draw % 2 else 3.0)
-        dy = torch.randn(shape, generator=gen)
-        directions = [torch.randn(t.shape, generator=gen, dtype=torch.float64)
-                      for t in (x, *params)]
+        _derivatives_match_float64(make(), reference, x, gen, f"{name} draw {draw}")
 
-        def layer(x, *p, module=module, names=names):
-            return torch.func.functional_call(module, dict(zip(names, p, strict=True)), (x,))
 
-        got = _first_and_second(layer, x, params, dy, directions, torch.float32)
-        want = _first_and_second(reference, x, params, dy, directions, torch.float64)
-        for order, (gs, ws) in enumerate(zip(got, want, strict=True), 1):
-            for i, (g, w) in enumerate(zip(gs, ws, strict=True)):
-                assert_grad_close(g.detach(), w.detach(), torch.float32,
-                                  f"{name} draw {draw} derivative {order} of input {i}")
+def _derivatives_match_float64(module, reference, x, gen, what):
+    """First and second derivatives of ``module(x)`` (float32; its parameters drawn
+    around 1 from ``gen``) against ``reference(x, *parameters)`` in float64, for the
+    input and every parameter, within the float32 gradient tolerance."""
+    names = [n for n, _ in module.named_parameters()]
+    params = list(module.parameters())
+    with torch.no_grad():
+        for p in params:
+            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
+    dy = torch.randn(x.shape, generator=gen)
+    directions = [torch.randn(t.shape, generator=gen, dtype=torch.float64)
+                  for t in (x, *params)]
+
+    def layer(x, *p):
+        return torch.func.functional_call(module, dict(zip(names, p, strict=True)), (x,))
+
+    got = _first_and_second(layer, x, params, dy, directions, torch.float32)
+    want = _first_and_second(reference, x, params, dy, directions, torch.float64)
+    for order, (gs, ws) in enumerate(zip(got, want, strict=True), 1):
+        for i, (g, w) in enumerate(zip(gs, ws, strict=True)):
+            assert_grad_close(g.detach(), w.detach(), torch.float32,
+                              f"{what} derivative {order} of input {i}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
@@ -977,26 +983,7 @@ def test_second_derivatives_through_repaired_rows(name, monkeypatch):
     monkeypatch.setattr(native.RowRepair, "apply",
                         staticmethod(lambda *a, **k: repaired.append(1) or apply(*a, **k)))
     gen = torch.Generator().manual_seed(3)
-    module = make()
-    names = [n for n, _ in module.named_parameters()]
-    params = list(module.parameters())
-    with torch.no_grad():
-        for p in params:
-            p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
     x[where] = x[where] * 0.5 + 5e3
-    x = x.float()
-    dy = torch.randn(shape, generator=gen)
-    directions = [torch.randn(t.shape, generator=gen, dtype=torch.float64)
-                  for t in (x, *params)]
-
-    def layer(x, *p):
-        return torch.func.functional_call(module, dict(zip(names, p, strict=True)), (x,))
-
-    got = _first_and_second(layer, x, params, dy, directions, torch.float32)
+    _derivatives_match_float64(make(), reference, x.float(), gen, name)
     assert repaired, f"{name}: the repair did not run (the test needs its node)"
-    want = _first_and_second(reference, x, params, dy, directions, torch.float64)
-    for order, (gs, ws) in enumerate(zip(got, want, strict=True), 1):
-        for i, (g, w) in enumerate(zip(gs, ws, strict=True)):
-            assert_grad_close(g.detach(), w.detach(), torch.float32,
-                              f"{name} derivative {order} of input {i}")
