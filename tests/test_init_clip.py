@@ -151,6 +151,34 @@ def test_agc_optimizer_wrapper_excludes_the_classifier():
         normkit.adaptive_clip_grad_(net.parameters(), clip_factor=0)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_agc_copies_keep_their_exclusions(how):
+    """A deep copy or a pickle round trip of the wrapper (and its model, in one object,
+    as checkpointing a whole training state does) excludes the same layers: the
+    exclusions were kept as ids of the original parameters, so a copy silently clipped
+    the classifier it was told to leave alone."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = normkit.AGC(torch.optim.SGD(net.parameters(), lr=0.0), clip_factor=1e-4,
+                      exclude=["2"], model=net)
+    net2, opt2 = (copy.deepcopy((net, opt)) if how == "deepcopy"
+                  else pickle.loads(pickle.dumps((net, opt))))
+    assert opt2.param_groups[0]["params"][2] is net2[2].weight
+    (net2(torch.randn(16, 4)) * 100).sum().backward()
+    head, body = net2[2].weight.grad.clone(), net2[0].weight.grad.clone()
+    assert int(opt2.clip_()) > 0
+    torch.testing.assert_close(net2[2].weight.grad, head)  # still excluded: untouched
+    assert (net2[0].weight.grad.norm(dim=1) < body.norm(dim=1)).all()
+    assert "excluded=2" in repr(opt2) and len(opt._excluded) == 2  # (the original kept)
+    old = normkit.AGC.__new__(normkit.AGC)  # (a pickle that kept ids: nothing to map)
+    with pytest.warns(RuntimeWarning, match="2 excluded parameters .* are lost"):
+        old.__setstate__(dict(opt.__dict__))
+    assert old._excluded == set()
+
+
 @pytest.mark.parametrize("scheduler", ["StepLR", "OneCycleLR", "ReduceLROnPlateau",
                                        "SequentialLR"])
 def test_agc_takes_lr_schedulers_grad_scaler_and_checkpoints(scheduler):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -281,10 +282,27 @@ class AGC(torch.optim.Optimizer):
         return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def __getstate__(self):
-        return dict(self.__dict__)
+        # the exclusions as positions in the wrapped optimizer's groups: ids name these
+        # parameters only, and a copy or an unpickled wrapper holds others (by ids it
+        # would silently clip the layers the user excluded)
+        state = dict(self.__dict__)
+        state["_excluded"] = frozenset(
+            (g, i) for g, group in enumerate(self.optimizer.param_groups)
+            for i, p in enumerate(group["params"]) if id(p) in self._excluded)
+        return state
 
     def __setstate__(self, state) -> None:
+        state = dict(state)
+        excluded = state.pop("_excluded", frozenset())
         self.__dict__.update(state)
+        if any(isinstance(e, int) for e in excluded):  # (ids: an older normkit's pickle)
+            warnings.warn(f"this AGC was pickled with {len(excluded)} excluded parameters "
+                          "named by the ids of the originals, which name nothing now: the "
+                          "exclusions are lost, every parameter is clipped; build the AGC "
+                          "again with exclude=", RuntimeWarning, stacklevel=2)
+        self._excluded = {
+            id(p) for g, group in enumerate(self.optimizer.param_groups)
+            for i, p in enumerate(group["params"]) if (g, i) in excluded}
 
     def __repr__(self) -> str:
         return (f"AGC(clip_factor={self.clip_factor}, eps={self.eps}, "
