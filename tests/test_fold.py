@@ -311,6 +311,21 @@ class Stores(nn.Module):
         return self.bn(y)
 
 
+class TwoNorms(nn.Module):
+    """One conv output normalized by two BatchNorms (two heads): folding either into the
+    conv would change what the other reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.bn2 = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn1(y) * self.bn2(y)
+
+
 class Untraceable(nn.Module):
     """Wraps a model behind data-dependent control flow, which torch.fx cannot trace."""
 
@@ -333,6 +348,8 @@ UNSAFE = {  # model, reason from the trace, reason from a recorded run
                       "inner.bn: the output of inner.conv outlives the forward"),
     "returns output": (lambda: Stores(True), "bn: the output of conv has 2 users",
                        "inner.bn: the output of inner.conv outlives the forward"),
+    "two norms": (TwoNorms, "bn1: the output of conv has 2 users",
+                  "inner.bn1: inner.conv: its output is also passed to inner.bn2"),
 }
 
 
