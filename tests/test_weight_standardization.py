@@ -229,6 +229,15 @@ def test_bad_input_names_what_was_expected():
         activation_gain("swish")
     with pytest.raises(ValueError, match="whose output varies"):
         activation_gain(torch.zeros_like)
+    with pytest.raises(TypeError, match="an activation name or a callable, got int"):
+        activation_gain(3)
+    with pytest.raises(ValueError, match="to a tensor of the same shape"):
+        activation_gain(lambda x: x.sum())
+    with pytest.raises(TypeError, match="dim to be an int or None, got True"):
+        WeightStandardization(dim=True)
+    with pytest.raises(ValueError, match=r"WeightStandardization\(gain=True\) expected 2 "
+                                         r"tensor\(s\), got 1"):
+        WeightStandardization(gain=True)(torch.ones(4, 3))
 
 
 def test_compiles_without_graph_breaks_and_matches_eager():

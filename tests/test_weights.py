@@ -310,6 +310,8 @@ def test_weight_norm_errors_name_what_was_expected():
         weight_norm(nn.Linear(3, 4), dim=2)
     with pytest.raises(TypeError, match="int or None"):
         weight_norm(nn.Linear(3, 4), dim=1.0)
+    with pytest.raises(TypeError, match="WeightNorm expected dim to be an int or None, got '0'"):
+        WeightNorm("0")
     with pytest.raises(ValueError, match="to be weight-normalized, got a plain tensor"):
         remove_weight_norm(nn.Linear(3, 4))
     with pytest.raises(ValueError, match=r"expected g of shape \(5, 1\)"):
