@@ -352,6 +352,38 @@ def test_a_failing_implementation_is_reported_and_the_rest_run(fake_fused, capsy
     assert "| error |" in capsys.readouterr().out
 
 
+def test_a_build_failure_or_a_timing_failure_is_reported_and_the_bench_goes_on(monkeypatch):
+    """An implementation that cannot be built, and a timing run that fails midway (out
+    of memory on a GPU, say), are errors in their records; torch's column, the other
+    pass and the other shapes are still measured."""
+    def refuse(module, backend):
+        raise RuntimeError("no such kernel here")
+
+    monkeypatch.setattr(runner, "with_backend", refuse)
+    doc = run(BenchConfig(ops=("layer_norm",), shapes="4x8", **TINY))
+    assert [r["impls"]["normkit"]["error"] for r in doc["results"]] == [
+        "build failed: RuntimeError: no such kernel here"] * 2
+    assert all(r["impls"]["torch"]["ms"] > 0 for r in doc["results"])
+    monkeypatch.undo()
+
+    calls, interleaved = [], measure.interleaved
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (a stand-in)")
+        return interleaved(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "interleaved", fails_once)
+    doc = run(BenchConfig(ops=("layer_norm",), shapes="4x8,6x16", **TINY))
+    first, *rest = doc["results"]
+    for entry in first["impls"].values():
+        assert entry["ms"] is None
+        assert entry["error"] == "timing failed: RuntimeError: CUDA out of memory (a stand-in)"
+    assert len(rest) == 3 and all(r["impls"][name]["ms"] > 0 for r in rest
+                                  for name in ("torch", "normkit"))
+
+
 # --- ideal bytes ------------------------------------------------------------------------
 
 
