@@ -465,6 +465,11 @@ def test_extra_repr():
     assert "num_layers=2" in repr(LayerNormLSTM(IN, H, num_layers=2, dropout=0.1))
     assert "layer_norm=False" in repr(LayerNormLSTMCell(IN, H, layer_norm=False))
     assert "ln_cell" in repr(LayerNormLSTMCell(IN, H))
+    every = LayerNormLSTM(IN, H, num_layers=2, bias=False, batch_first=True, dropout=0.1,
+                          bidirectional=True, layer_norm=False)
+    assert every.extra_repr() == (f"{IN}, {H}, num_layers=2, bias=False, batch_first=True, "
+                                  "dropout=0.1, bidirectional=True, layer_norm=False")
+    assert LayerNormLSTMCell(IN, H, bias=False).extra_repr() == f"{IN}, {H}, bias=False"
 
 
 # --------------------------------------------------------------------------- bad input
