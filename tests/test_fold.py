@@ -311,15 +311,9 @@ class Stores(nn.Module):
         return self.bn(y)
 
 
-class TwoNorms(nn.Module):
+class TwoNorms(ConvTwice):
     """One conv output normalized by two BatchNorms (two heads): folding either into the
     conv would change what the other reads."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 1)
-        self.bn1 = nn.BatchNorm2d(4)
-        self.bn2 = nn.BatchNorm2d(4)
 
     def forward(self, x):
         y = self.conv(x)
