@@ -18,6 +18,17 @@ Run it with glibc's default allocator: with heap reuse (``MALLOC_MMAP_MAX_=0``) 
 outputs' memory is resident, the layer takes the whole-tensor call, and there is
 nothing to measure (the script says so and stops). Figures for reading, not asserting:
 one machine, one run.
+
+``--floor`` asks instead what bounds torch's LayerNorm forward kernel itself (which
+normkit's forward runs), with heap reuse so that no output pays page faults: ms per call
+(median) of ``dst.copy_(x)``, the kernel over the whole tensor, the kernel on 128-row
+blocks whose outputs stay in cache (no memory writes), those blocks copied into one
+result, and a composition from other ATen kernels (normkit's one-read row sums, then
+BatchNorm's inference kernel per row and an ``addcmul`` for the affine, block by
+block)::
+
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 \
+        PYTHONPATH=src python benchmarks/layer_norm_blocks.py --floor --threads 1 2
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import time
 import torch
 
 import normkit
-from normkit.kernels import memory, native
+from normkit.kernels import channels, memory, native
 
 SHAPES = ("4096x2048", "4096x4096", "4096x8192", "16384x1024")
 SIZES_MIB = (1, 2, 4, 8)
@@ -89,7 +100,12 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", default=["layer_norm", "add_layer_norm"],
                         choices=["layer_norm", "add_layer_norm"])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--floor", action="store_true",
+                        help="time what bounds torch's forward kernel (run with heap reuse)")
     args = parser.parse_args()
+    if args.floor:
+        floor(args.threads, args.shapes, args.rounds)
+        return
     if not memory.huge_pages_available():
         raise SystemExit("huge pages unavailable here (not Linux, THP not in madvise mode, "
                          "or NORMKIT_HUGEPAGES=0): the layers never take the blocks")
@@ -110,6 +126,63 @@ def main() -> None:
                           f"{spec} | {m * k * 4 / (1 << 20):.0f} | "
                           + " | ".join(f"{ratio:.2f}x" for ratio in ratios.values()) + " |",
                           flush=True)
+
+
+def floor(threads: list[int], shapes: list[str], rounds: int) -> None:
+    """``--floor``: ms per call of the forward's candidate ways (module docstring)."""
+    if "MALLOC_MMAP_MAX_" not in os.environ:
+        raise SystemExit("run --floor with heap reuse (MALLOC_MMAP_MAX_=0 "
+                         "MALLOC_TRIM_THRESHOLD_=68719476736): fresh outputs would measure "
+                         "page faults, not the kernel")
+    print("| threads | shape | copy_ ms | kernel ms | cached blocks ms | blocks + copy ms "
+          "| row sums + BN kernel + addcmul ms |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for count in threads:
+        torch.set_num_threads(count)
+        for spec in shapes:
+            m, k = (int(v) for v in spec.split("x"))
+            medians = _floor_ms(m, k, rounds)
+            print(f"| {count} | {spec} | " + " | ".join(f"{ms:.2f}" for ms in medians) + " |",
+                  flush=True)
+
+
+def _floor_ms(m: int, k: int, rounds: int, rows: int = 128) -> list[float]:
+    """Median ms of each way of :func:`floor` on an ``m x k`` float32 input, round-robin."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=gen) * 2 + 1
+    w, b = torch.randn(k, generator=gen), torch.randn(k, generator=gen)
+    out = torch.empty_like(x)
+    saved_mean, saved_invstd = torch.empty(0), torch.empty(0)
+
+    def blocks(copy: bool) -> None:
+        for i in range(0, m, rows):
+            y = torch.native_layer_norm(x[i:i + rows], (k,), w, b, 1e-5)[0]
+            if copy:
+                out[i:i + rows].copy_(y)
+
+    def composition() -> None:
+        for i in range(0, m, rows):
+            block = x[i:i + rows].view(1, -1, k)
+            s1, s2 = channels._row_sums(block)
+            mean = s1.div_(k)
+            var = s2.div_(k).sub_(mean * mean)
+            o = out[i:i + rows]
+            torch.ops.aten.native_batch_norm.out(
+                block, None, None, mean, var, False, 0.0, 1e-5, out=o.view(1, -1, k),
+                save_mean=saved_mean, save_invstd=saved_invstd)
+            torch.addcmul(b, o, w, out=o)
+
+    ways = [lambda: out.copy_(x), lambda: torch.native_layer_norm(x, (k,), w, b, 1e-5),
+            lambda: blocks(False), lambda: blocks(True), composition]
+    for way in ways:  # (warm-up)
+        way()
+    times: list[list[float]] = [[] for _ in ways]
+    for _ in range(rounds):
+        for way, way_times in zip(ways, times, strict=True):
+            begin = time.perf_counter()
+            way()
+            way_times.append(time.perf_counter() - begin)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 if __name__ == "__main__":
